@@ -1,0 +1,57 @@
+"""Shared fixtures: the built-in tokenizer and a tiny random Llama that shares it (2 layers, hidden 32)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "tuneforge-mpl"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    """The built-in SmolLM2-135M-Instruct folder (converted once into tuneforge's cache)."""
+    from tuneforge.model.hub import builtin_model_dir
+
+    return builtin_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny random LlamaForCausalLM (fp32) with the built-in tokenizer, saved as a HF folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def lf_data_dir():
+    """LlamaFactory's own dataset_info.json and demo data (shared, read-only)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "llamafactory"
+    if not path.is_dir():
+        pytest.skip(f"{path} not present")
+    return path

@@ -1,0 +1,29 @@
+"""Configuration: one typed, validated RunConfig from a YAML/JSON file and `key=value` overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tuneforge.config.loader import build, parse_overrides, read_file
+from tuneforge.config.schema import DataArgs, MethodArgs, ModelArgs, RunConfig, TrainArgs
+from tuneforge.config.validate import checkpoints_in, validate
+
+__all__ = [
+    "DataArgs", "MethodArgs", "ModelArgs", "RunConfig", "TrainArgs",
+    "checkpoints_in", "load", "from_dict",
+]
+
+
+def from_dict(raw: dict[str, Any], *, source: str = "<dict>", for_training: bool = True) -> RunConfig:
+    """A validated RunConfig from a flat mapping (as written in YAML)."""
+    cfg = build(raw, source)
+    validate(cfg, for_training=for_training)
+    return cfg
+
+
+def load(path: str | Path | None, overrides: list[str] | None = None, *, for_training: bool = True) -> RunConfig:
+    """Read a config file, apply `key=value` overrides, and validate the result."""
+    raw = read_file(path) if path is not None else {}
+    raw.update(parse_overrides(overrides or []))
+    return from_dict(raw, source=str(path) if path is not None else "<overrides>", for_training=for_training)

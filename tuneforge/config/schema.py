@@ -1,0 +1,156 @@
+"""The run configuration: every YAML key is a field here, grouped by what it configures.
+
+Keys are flat in the YAML file and use LlamaFactory's names; each name lives in exactly one group,
+so `cfg.train.learning_rate` is found by grepping for `learning_rate`. Defaults follow LlamaFactory /
+Hugging Face where they define one. `choices` in a field's metadata are checked when the file loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def opt(default: Any = None, *, choices: tuple | None = None, help: str = "") -> Any:
+    """A field with a default, optional choices, and a line of help for the README / errors."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
+IMPLEMENTED_STAGES = ("pt", "sft")
+FINETUNING_TYPES = ("full", "freeze", "lora", "oft")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+FLASH_ATTN = ("auto", "disabled", "sdpa", "fa2", "eager")
+MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+
+
+@dataclass
+class ModelArgs:
+    model_name_or_path: str | None = opt(help="local folder, hub id, or built-in alias (smollm2-135m-instruct)")
+    adapter_name_or_path: list[str] | None = opt(help="adapter folder(s) to load and continue training")
+    template: str | None = opt(help="chat template name; default: the tokenizer's own chat_template")
+    trust_remote_code: bool = opt(False, help="allow model code from the model folder / hub")
+    cache_dir: str | None = opt(help="where hub downloads are cached")
+    model_revision: str = opt("main", help="hub revision (branch, tag or commit)")
+    flash_attn: str = opt("auto", choices=FLASH_ATTN, help="attention: auto (sdpa), disabled/eager, sdpa, fa2")
+    disable_gradient_checkpointing: bool = opt(False, help="gradient checkpointing is on by default")
+    quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="QLoRA: load the base in 4 or 8 bit")
+    quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")
+    double_quantization: bool = opt(True, help="4-bit: quantize the quantization constants too")
+    quantization_method: str = opt("bnb", choices=("bnb",), help="quantization backend (bitsandbytes)")
+
+
+@dataclass
+class MethodArgs:
+    stage: str = opt("sft", choices=STAGES, help="training stage")
+    finetuning_type: str = opt("lora", choices=FINETUNING_TYPES, help="full, freeze, lora or oft")
+    lora_rank: int = opt(8, help="LoRA rank r")
+    lora_alpha: int | None = opt(None, help="LoRA alpha; default 2 x lora_rank")
+    lora_dropout: float = opt(0.0, help="dropout on the LoRA input")
+    lora_target: list[str] = opt(["all"], help="modules to adapt: all (every linear but the head) or names")
+    additional_target: list[str] | None = opt(help="extra modules trained in full beside the adapter")
+    use_dora: bool = opt(False, help="weight-decomposed LoRA")
+    use_rslora: bool = opt(False, help="rank-stabilized scaling alpha / sqrt(r)")
+    pissa_init: bool = opt(False, help="initialize LoRA from the principal singular vectors")
+    pissa_iter: int = opt(16, help="fast-SVD iterations for PiSSA; -1 = exact SVD")
+    loraplus_lr_ratio: float | None = opt(help="LoRA+: learning rate of B = ratio x learning_rate")
+    loraplus_lr_embedding: float = opt(1e-6, help="LoRA+: learning rate of embedding adapters")
+    create_new_adapter: bool = opt(False, help="stack a new adapter on top of adapter_name_or_path")
+    freeze_trainable_layers: int = opt(2, help="freeze: train the last N layers (negative: the first N)")
+    freeze_trainable_modules: list[str] = opt(["all"], help="freeze: module names inside those layers")
+    freeze_extra_modules: list[str] | None = opt(help="freeze: extra modules to train (e.g. embed_tokens)")
+    oft_rank: int = opt(0, help="OFT rank (number of blocks); set this or oft_block_size")
+    oft_block_size: int = opt(32, help="OFT block size; set this or oft_rank")
+    oft_target: list[str] = opt(["all"], help="modules to adapt with OFT")
+
+
+@dataclass
+class DataArgs:
+    dataset: list[str] | None = opt(help="dataset name(s) from dataset_info.json, comma-separated")
+    eval_dataset: list[str] | None = opt(help="evaluation dataset name(s)")
+    dataset_dir: str = opt("data", help="folder holding dataset_info.json")
+    cutoff_len: int = opt(2048, help="maximum tokens per sample (or per packed row)")
+    max_samples: int | None = opt(help="use at most this many rows of each dataset")
+    val_size: float = opt(0.0, help="hold out this share (0-1) or count (>1) of rows for evaluation")
+    train_on_prompt: bool = opt(False, help="supervise prompt tokens too")
+    mask_history: bool = opt(False, help="supervise only the last assistant turn")
+    packing: bool | None = opt(None, help="pack samples into cutoff_len rows (default: on for pt)")
+    neat_packing: bool = opt(False, help="pack without attention across samples (always the case here)")
+    mix_strategy: str = opt("concat", choices=MIX_STRATEGIES, help="how several datasets are mixed")
+    interleave_probs: list[float] | None = opt(help="sampling probabilities for interleave strategies")
+    tokenized_path: str | None = opt(help="save tokenized data here, or load it from here if it exists")
+    overwrite_cache: bool = opt(False, help="re-tokenize even if a cached copy exists")
+    preprocessing_num_workers: int | None = opt(help="processes for tokenization")
+    preprocessing_batch_size: int = opt(1000, help="rows per tokenization batch")
+    skip_bad_rows: bool = opt(False, help="skip (and count) malformed rows instead of stopping")
+    default_system: str | None = opt(help="system prompt for rows that have none")
+
+
+@dataclass
+class TrainArgs:
+    output_dir: str | None = opt(help="where checkpoints and the final model go")
+    overwrite_output_dir: bool = opt(False, help="start afresh in an output_dir that has checkpoints")
+    do_train: bool = opt(True, help="run training")
+    do_eval: bool = opt(False, help="evaluate at the end")
+    per_device_train_batch_size: int = opt(8, help="micro-batch size")
+    per_device_eval_batch_size: int = opt(8, help="evaluation batch size")
+    gradient_accumulation_steps: int = opt(1, help="micro-batches per optimizer step")
+    learning_rate: float = opt(5e-5, help="peak learning rate")
+    num_train_epochs: float = opt(3.0, help="epochs (ignored when max_steps > 0)")
+    max_steps: int = opt(-1, help="optimizer steps; overrides num_train_epochs when > 0")
+    lr_scheduler_type: str = opt("linear", choices=SCHEDULERS, help="learning-rate schedule")
+    lr_scheduler_kwargs: dict = opt({}, help="e.g. {min_lr_rate: 0.1} for cosine_with_min_lr")
+    warmup_ratio: float = opt(0.0, help="share of steps spent warming up")
+    warmup_steps: int = opt(0, help="warm-up steps (overrides warmup_ratio when > 0)")
+    weight_decay: float = opt(0.0, help="AdamW weight decay (never on norms and biases)")
+    adam_beta1: float = opt(0.9, help="AdamW beta1")
+    adam_beta2: float = opt(0.999, help="AdamW beta2")
+    adam_epsilon: float = opt(1e-8, help="AdamW epsilon")
+    max_grad_norm: float = opt(1.0, help="gradient clipping norm; 0 disables")
+    optim: str = opt("adamw_torch", choices=OPTIMIZERS, help="optimizer")
+    bf16: bool = opt(False, help="bfloat16 mixed precision")
+    fp16: bool = opt(False, help="float16 mixed precision")
+    seed: int = opt(42, help="random seed")
+    logging_steps: int = opt(10, help="log every N steps")
+    save_steps: int = opt(500, help="checkpoint every N steps")
+    save_strategy: str = opt("steps", choices=("steps", "no"), help="steps or no")
+    save_total_limit: int | None = opt(help="keep at most N checkpoints")
+    eval_strategy: str = opt("no", choices=("no", "steps", "epoch"), help="when to evaluate")
+    eval_steps: int | None = opt(help="evaluate every N steps (default: logging_steps)")
+    early_stopping_steps: int | None = opt(help="stop after N evaluations without a better eval_loss")
+    resume_from_checkpoint: bool | str | None = opt(help="true: the latest checkpoint in output_dir; or a path")
+    plot_loss: bool = opt(False, help="write training_loss.png (and training_eval_loss.png)")
+    report_to: list[str] = opt(["none"], help="none, tensorboard, wandb")
+    disable_tqdm: bool = opt(False, help="no progress bar")
+
+
+GROUPS = {"model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs}
+
+
+@dataclass
+class RunConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    method: MethodArgs = field(default_factory=MethodArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    source: str = "<overrides>"  # the file the config came from, for messages
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat key -> value mapping, as a user would write it in YAML."""
+        return {f.name: getattr(getattr(self, g), f.name) for g, cls in GROUPS.items() for f in fields(cls)}
+
+
+def key_index() -> dict[str, tuple[str, Any]]:
+    """Map every flat key to (group name, dataclass field)."""
+    index: dict[str, tuple[str, Any]] = {}
+    for group, cls in GROUPS.items():
+        for f in fields(cls):
+            assert f.name not in index, f"key {f.name} defined twice"
+            index[f.name] = (group, f)
+    return index

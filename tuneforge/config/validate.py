@@ -1,0 +1,141 @@
+"""Cross-field checks that run before any model or data loads."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from tuneforge.config.schema import IMPLEMENTED_STAGES, RunConfig
+from tuneforge.errors import ConfigError
+
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def checkpoints_in(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoint folders in output_dir, oldest first (by step number)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        step = p.name[len(CHECKPOINT_PREFIX):]
+        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and step.isdigit():
+            found.append((int(step), p))
+    return [p for _, p in sorted(found)]
+
+
+def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
+    """Raise ConfigError for the first combination that cannot work, saying what to change."""
+    m, me, d, t = cfg.model, cfg.method, cfg.data, cfg.train
+    src = cfg.source
+
+    def fail(msg: str) -> None:
+        raise ConfigError(f"{src}: {msg}")
+
+    if not m.model_name_or_path:
+        fail("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)")
+    if me.stage not in IMPLEMENTED_STAGES:
+        fail(f"stage '{me.stage}' is not implemented yet; available: {', '.join(IMPLEMENTED_STAGES)}")
+
+    # method
+    if me.lora_rank <= 0:
+        fail(f"lora_rank must be > 0 (got {me.lora_rank})")
+    if me.lora_alpha is not None and me.lora_alpha <= 0:
+        fail(f"lora_alpha must be > 0 (got {me.lora_alpha})")
+    if not 0.0 <= me.lora_dropout < 1.0:
+        fail(f"lora_dropout must be in [0, 1) (got {me.lora_dropout})")
+    if me.loraplus_lr_ratio is not None and me.loraplus_lr_ratio <= 0:
+        fail(f"loraplus_lr_ratio must be > 0 (got {me.loraplus_lr_ratio})")
+    if me.finetuning_type == "oft" and (me.oft_rank > 0) == (me.oft_block_size > 0):
+        fail("oft: set exactly one of oft_rank and oft_block_size > 0 (the other 0)")
+    if me.use_dora and me.pissa_init:
+        fail("use_dora and pissa_init cannot be combined; choose one")
+    if m.quantization_bit is not None:
+        if me.finetuning_type not in ("lora", "oft"):
+            fail(
+                f"quantization_bit {m.quantization_bit} needs finetuning_type lora or oft "
+                f"(a quantized base cannot be trained with '{me.finetuning_type}')"
+            )
+        if me.pissa_init:
+            fail("pissa_init cannot initialize from a quantized base; drop quantization_bit or pissa_init")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            fail("quantization_bit needs bitsandbytes: pip install 'tuneforge[qlora]'")
+    if m.flash_attn == "fa2" and importlib.util.find_spec("flash_attn") is None:
+        fail("flash_attn: fa2 needs the flash-attn package; use flash_attn: sdpa or install flash-attn")
+    if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
+        fail("adapter_name_or_path needs finetuning_type lora or oft")
+
+    # data
+    if for_training and t.do_train and not d.dataset and not d.tokenized_path:
+        fail("dataset is required for training (names from dataset_info.json, comma-separated)")
+    if d.cutoff_len <= 0:
+        fail(f"cutoff_len must be > 0 (got {d.cutoff_len})")
+    if d.max_samples is not None and d.max_samples <= 0:
+        fail(f"max_samples must be > 0 (got {d.max_samples})")
+    if d.val_size < 0 or (d.val_size >= 1 and not float(d.val_size).is_integer()):
+        fail(f"val_size must be a share in [0, 1) or a whole number of rows (got {d.val_size})")
+    if d.interleave_probs is not None:
+        if d.mix_strategy == "concat":
+            fail("interleave_probs needs mix_strategy interleave_under or interleave_over")
+        if len(d.interleave_probs) != len(d.dataset or []):
+            fail(f"interleave_probs has {len(d.interleave_probs)} values for {len(d.dataset or [])} datasets")
+        if abs(sum(d.interleave_probs) - 1.0) > 1e-6 or min(d.interleave_probs) < 0:
+            fail(f"interleave_probs must be >= 0 and sum to 1 (got {d.interleave_probs})")
+    if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
+        fail("preprocessing_num_workers must be >= 1")
+
+    # training
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "logging_steps", "save_steps"):
+        if getattr(t, key) < 1:
+            fail(f"{key} must be >= 1 (got {getattr(t, key)})")
+    if t.learning_rate <= 0:
+        fail(f"learning_rate must be > 0 (got {t.learning_rate})")
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        fail("set num_train_epochs > 0 or max_steps > 0")
+    if not 0.0 <= t.warmup_ratio <= 1.0:
+        fail(f"warmup_ratio must be in [0, 1] (got {t.warmup_ratio})")
+    if t.warmup_steps < 0 or t.weight_decay < 0 or t.max_grad_norm < 0:
+        fail("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+    if t.bf16 and t.fp16:
+        fail("bf16 and fp16 are both true; choose one")
+    if t.eval_steps is not None and t.eval_steps < 1:
+        fail(f"eval_steps must be >= 1 (got {t.eval_steps})")
+    has_eval = bool(d.eval_dataset) or d.val_size > 0
+    if t.eval_strategy != "no" and not has_eval:
+        fail(f"eval_strategy {t.eval_strategy} needs evaluation data: set val_size or eval_dataset")
+    if t.early_stopping_steps is not None:
+        if t.early_stopping_steps < 1:
+            fail("early_stopping_steps must be >= 1")
+        if t.eval_strategy == "no":
+            fail("early_stopping_steps watches eval_loss: set eval_strategy: steps and val_size or eval_dataset")
+    bad_reports = [r for r in t.report_to if r not in ("none", "tensorboard", "wandb", "all")]
+    if bad_reports:
+        fail(f"report_to: {bad_reports[0]!r} is not one of none, tensorboard, wandb, all")
+    if t.lr_scheduler_kwargs and t.lr_scheduler_type != "cosine_with_min_lr":
+        unknown = set(t.lr_scheduler_kwargs) - {"num_cycles"}
+        if unknown:
+            fail(f"lr_scheduler_kwargs {sorted(unknown)} do not apply to {t.lr_scheduler_type}")
+
+    if for_training and t.do_train:
+        _check_output_dir(cfg, fail)
+
+
+def _check_output_dir(cfg: RunConfig, fail) -> None:
+    t = cfg.train
+    if not t.output_dir:
+        fail("output_dir is required (where checkpoints and the final model go)")
+    resume = t.resume_from_checkpoint
+    if isinstance(resume, str):
+        if not Path(resume).is_dir():
+            fail(f"resume_from_checkpoint: {resume} is not a folder; point it at a checkpoint-N folder")
+        return
+    found = checkpoints_in(t.output_dir)
+    if resume is True and not found:
+        fail(f"resume_from_checkpoint: true, but {t.output_dir} holds no checkpoint-N folder")
+    if found and resume is not True and not t.overwrite_output_dir:
+        fail(
+            f"output_dir {t.output_dir} already holds checkpoints (latest: {found[-1].name}). "
+            f"To continue that run set resume_from_checkpoint: true; to start afresh set "
+            f"overwrite_output_dir: true, or choose another output_dir"
+        )
