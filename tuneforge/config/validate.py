@@ -112,6 +112,9 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     bad_reports = [r for r in t.report_to if r not in ("none", "tensorboard", "wandb", "all")]
     if bad_reports:
         fail(f"report_to: {bad_reports[0]!r} is not one of none, tensorboard, wandb, all")
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if name in t.report_to and importlib.util.find_spec(module) is None:
+            fail(f"report_to: {name} needs the {module} package: pip install {module}, or drop it from report_to")
     if t.lr_scheduler_kwargs and t.lr_scheduler_type != "cosine_with_min_lr":
         unknown = set(t.lr_scheduler_kwargs) - {"num_cycles"}
         if unknown:

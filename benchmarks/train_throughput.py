@@ -1,0 +1,84 @@
+"""Workload W1: LoRA SFT of the built-in SmolLM2-135M-Instruct, the same run that
+../shared/bench/peer-llamafactory.sh gives LlamaFactory, so the two can be set side by side.
+
+    python benchmarks/train_throughput.py [--dataset-dir DIR] [key=value ...]
+
+Runs `tuneforge train` in a child process (so peak RSS is the whole run's) and prints one JSON line:
+effective (non-padding) tokens/s, train_runtime, peak RSS, final loss. Timing is measured, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tuneforge.workflow import loss_curve
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "llamafactory"
+
+# the peer script's defaults, key for key
+W1 = {
+    "model_name_or_path": "smollm2-135m-instruct",
+    "stage": "sft",
+    "finetuning_type": "lora",
+    "lora_rank": 8,
+    "lora_target": "all",
+    "dataset": "alpaca_en_demo",
+    "cutoff_len": 512,
+    "max_samples": 256,
+    "overwrite_cache": True,
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 1e-4,
+    "max_steps": 30,
+    "lr_scheduler_type": "cosine",
+    "warmup_ratio": 0.1,
+    "bf16": True,
+    "seed": 42,
+    "logging_steps": 5,
+    "save_steps": 100000,
+    "overwrite_output_dir": True,
+    "disable_tqdm": True,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="tuneforge-w1-"))
+    cfg = {**W1, "dataset_dir": args.dataset_dir, "output_dir": str(out / "run")}
+    (out / "w1.json").write_text(json.dumps(cfg, indent=2))
+    cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "w1.json"), *args.overrides]
+    start = time.time()
+    with open(out / "log.txt", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    wall = time.time() - start
+    if code != 0:
+        sys.exit(f"tuneforge failed ({code}); see {out / 'log.txt'}")
+    res = json.loads((out / "run" / "train_results.json").read_text())
+    curve = loss_curve(out / "run")
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kilobytes on Linux
+    print(json.dumps({
+        "system": "tuneforge",
+        "effective_tokens_per_sec": res.get("train_tokens_per_second"),
+        "train_runtime_s": res.get("train_runtime"),
+        "train_loss": res.get("train_loss"),
+        "first_loss": curve.get("first_loss"),
+        "final_loss": curve.get("last_loss"),
+        "peak_rss_mb": round(peak_kb / 1024, 1),
+        "wall_s": round(wall, 2),
+        "out": str(out),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Cross-field checks: every combination that cannot work fails before any model or data loads."""
+
+import pytest
+
+from tuneforge.config import checkpoints_in, from_dict
+from tuneforge.errors import ConfigError
+
+
+def cfg(tmp_path, **kw):
+    return from_dict({"model_name_or_path": "m", "dataset": "d", "output_dir": str(tmp_path / "out"), **kw})
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"model_name_or_path": None}, "model_name_or_path is required"),
+        ({"stage": "dpo"}, "stage 'dpo' is not implemented yet"),
+        ({"lora_rank": 0}, "lora_rank must be > 0"),
+        ({"lora_dropout": 1.0}, r"lora_dropout must be in \[0, 1\)"),
+        ({"finetuning_type": "full", "quantization_bit": 4}, "quantization_bit 4 needs finetuning_type lora"),
+        ({"finetuning_type": "freeze", "quantization_bit": 8}, "needs finetuning_type lora or oft"),
+        ({"finetuning_type": "oft", "oft_rank": 4, "oft_block_size": 32}, "exactly one of oft_rank"),
+        ({"use_dora": True, "pissa_init": True}, "cannot be combined"),
+        ({"bf16": True, "fp16": True}, "choose one"),
+        ({"dataset": None}, "dataset is required"),
+        ({"cutoff_len": 0}, "cutoff_len must be > 0"),
+        ({"val_size": 1.5}, "val_size must be"),
+        ({"learning_rate": 0}, "learning_rate must be > 0"),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be >= 1"),
+        ({"eval_strategy": "steps"}, "needs evaluation data"),
+        ({"early_stopping_steps": 3}, "early_stopping_steps watches eval_loss"),
+        ({"interleave_probs": "0.5,0.5"}, "needs mix_strategy interleave"),
+        ({"mix_strategy": "interleave_under", "interleave_probs": "0.7,0.7", "dataset": "a,b"}, "sum to 1"),
+        ({"report_to": "mlflow"}, "report_to: 'mlflow' is not one of"),
+        ({"adapter_name_or_path": "a", "finetuning_type": "full"}, "adapter_name_or_path needs"),
+        ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs > 0 or max_steps > 0"),
+    ],
+)
+def test_combination_that_cannot_work(tmp_path, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg(tmp_path, **kw)
+
+
+def test_output_dir_with_checkpoints_says_how_to_resume(tmp_path):
+    (tmp_path / "out" / "checkpoint-20").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-100").mkdir()
+    with pytest.raises(ConfigError, match="latest: checkpoint-100.*resume_from_checkpoint: true.*overwrite_output_dir"):
+        cfg(tmp_path)
+    assert cfg(tmp_path, resume_from_checkpoint=True).train.resume_from_checkpoint is True
+    assert cfg(tmp_path, overwrite_output_dir=True).train.overwrite_output_dir is True
+    assert [p.name for p in checkpoints_in(tmp_path / "out")] == ["checkpoint-20", "checkpoint-100"]
+
+
+def test_resume_needs_something_to_resume(tmp_path):
+    with pytest.raises(ConfigError, match="holds no checkpoint-N folder"):
+        cfg(tmp_path, resume_from_checkpoint=True)
+    with pytest.raises(ConfigError, match="is not a folder"):
+        cfg(tmp_path, resume_from_checkpoint=str(tmp_path / "missing"))
+    ckpt = tmp_path / "elsewhere" / "checkpoint-5"
+    ckpt.mkdir(parents=True)
+    assert cfg(tmp_path, resume_from_checkpoint=str(ckpt)).train.resume_from_checkpoint == str(ckpt)
+
+
+def test_a_good_config_passes_with_defaults(tmp_path):
+    c = cfg(tmp_path)
+    assert (c.method.stage, c.method.finetuning_type, c.method.lora_rank) == ("sft", "lora", 8)
+    assert c.model.trust_remote_code is False and c.data.cutoff_len == 2048

@@ -1,0 +1,45 @@
+"""The command line as a user meets it: exit codes, messages without tracebacks, the summary."""
+
+import subprocess
+import sys
+
+from tuneforge import __version__
+from tuneforge.cli import main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tuneforge.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_version(capsys):
+    assert main(["version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tuneforge {__version__}"
+
+
+def test_env_lists_versions_and_device(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch " in out and "transformers " in out and "peft " in out
+    assert "device " in out and "threads " in out
+
+
+def test_config_error_is_one_line_without_traceback(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model_name_or_path: smollm2-135m-instruct\ndataset: identity\noutput_dir: {tmp_path}/o\n"
+                   "learnig_rate: 1.0e-4\n")
+    r = run_cli("train", str(cfg))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert f"error: {cfg}: unknown key 'learnig_rate' — did you mean 'learning_rate'?" in r.stderr
+
+
+def test_override_error_names_the_key(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model_name_or_path: m\ndataset: identity\noutput_dir: {tmp_path}/o\n")
+    r = run_cli("train", str(cfg), "lora_rank=abc")
+    assert r.returncode == 2 and "key 'lora_rank': expected an integer, got 'abc'" in r.stderr
+
+
+def test_missing_config_file(tmp_path):
+    r = run_cli("train", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "does not exist" in r.stderr

@@ -1,0 +1,145 @@
+"""The command line: parse, call one function, print. Errors a user caused print without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tuneforge import __version__
+from tuneforge.errors import TuneforgeError
+
+USAGE = """\
+tuneforge train CONFIG [key=value ...]        train (pt, sft) as CONFIG (YAML or JSON) says
+tuneforge preprocess CONFIG [key=value ...]   tokenize and cache the data only (saves tokenized_path if set)
+tuneforge data preview CONFIG [-n N]          show rendered samples with the supervised spans marked
+tuneforge env                                 versions, device, threads
+tuneforge version
+"""
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "fsspec", "datasets", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_warning()
+    transformers.logging.disable_progress_bar()  # our own bar is the one that matters
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML or JSON config file (LlamaFactory files work unchanged)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tuneforge", usage=USAGE, description="Fine-tune language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _config_args(sub.add_parser("train", help="train a model"))
+    _config_args(sub.add_parser("preprocess", help="tokenize and cache the data"))
+    data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
+    preview = data.add_parser("preview", help="rendered samples, supervised spans marked")
+    _config_args(preview)
+    preview.add_argument("-n", type=int, default=3, help="number of samples (default 3)")
+    sub.add_parser("env", help="versions, device, threads")
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+def cmd_train(args) -> None:
+    from tuneforge.config import load
+
+    cfg = load(args.config, args.overrides)  # every config error before the heavy imports
+    from tuneforge.workflow import run
+
+    r = run(cfg)
+    what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
+    print(f"\n{what} saved in {r['output_dir']}")
+    if "first_loss" in r:
+        print(f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f} over {r.get('global_step', '?')} steps")
+    if "eval_loss" in r:
+        print(f"eval_loss {r['eval_loss']:.4f} (perplexity {r.get('perplexity', float('nan')):.2f})")
+    print(f"{r.get('train_tokens_per_second', 0):.1f} tokens/s, {r.get('train_runtime', 0):.1f} s")
+
+
+def cmd_preprocess(args) -> None:
+    from tuneforge.config import load
+    from tuneforge.errors import ConfigError
+
+    cfg = load(args.config, args.overrides, for_training=False)
+    if not cfg.data.dataset:
+        raise ConfigError(f"{cfg.source}: dataset is required to preprocess")
+    from tuneforge.workflow import prepare_data
+
+    _, splits = prepare_data(cfg)
+    s = splits.stats
+    print(f"train rows: {len(splits.train) if splits.train is not None else 0}, "
+          f"eval rows: {len(splits.eval) if splits.eval is not None else 0}")
+    print(f"tokens: {s.get('tokens', '?')}, supervised tokens: {s.get('supervised_tokens', '?')}")
+    if cfg.data.tokenized_path:
+        print(f"saved to {cfg.data.tokenized_path}")
+
+
+def cmd_data_preview(args) -> None:
+    from tuneforge.config import load
+    from tuneforge.data import preview
+    from tuneforge.model import load_tokenizer
+
+    cfg = load(args.config, args.overrides, for_training=False)
+    tokenizer = load_tokenizer(cfg.model)
+    for i, text in enumerate(preview(cfg, tokenizer, n=args.n)):
+        print(f"--- sample {i} (supervised spans between ⟦ and ⟧) ---\n{text}\n")
+
+
+def cmd_env(_args) -> None:
+    import importlib.metadata as md
+    import platform
+
+    import torch
+
+    print(f"tuneforge {__version__}")
+    print(f"python {platform.python_version()} on {platform.platform()}")
+    for pkg in ("torch", "transformers", "peft", "datasets", "accelerate", "safetensors", "bitsandbytes",
+                "flash-attn", "deepspeed", "tensorboard", "wandb"):
+        try:
+            print(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            print(f"{pkg} not installed")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"device cuda:{i} {torch.cuda.get_device_name(i)} bf16={torch.cuda.is_bf16_supported()}")
+    else:
+        print("device cpu (no CUDA device visible)")
+    print(f"threads {torch.get_num_threads()} (cpu count {os.cpu_count()})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "version":
+        print(f"tuneforge {__version__}")
+        return 0
+    _setup_logging(args.verbose)
+    command = {"train": cmd_train, "preprocess": cmd_preprocess, "env": cmd_env}.get(args.command)
+    if args.command == "data":
+        command = cmd_data_preview
+    try:
+        command(args)
+    except TuneforgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
