@@ -1,0 +1,6 @@
+"""Models: resolve a name, load tokenizer and model ready to train (dtype, attention, quantization, adapters)."""
+
+from tuneforge.model.hub import resolve, resolve_adapter
+from tuneforge.model.load import describe_trainable, load_model, load_tokenizer
+
+__all__ = ["describe_trainable", "load_model", "load_tokenizer", "resolve", "resolve_adapter"]

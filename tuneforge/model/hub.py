@@ -27,19 +27,38 @@ def resolve(name_or_path: str, *, cache_dir: str | None = None, revision: str = 
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelError(f"model folder {path} has no config.json; point model_name_or_path at a model folder")
+            raise ModelError(f"model folder {path} has no config.json; point model_name_or_path at a model folder "
+                             f"(one that holds config.json and model.safetensors)")
         return path
     if name_or_path.lower() in BUILTIN_ALIASES:
         return builtin_model_dir()
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+    if not _looks_like_hub_id(name_or_path):
         raise ModelError(
             f"model '{name_or_path}' is neither a local folder nor a hub id (owner/name) nor a built-in "
             f"alias ({BUILTIN_NAME})"
         )
-    return _from_hub(name_or_path, cache_dir=cache_dir, revision=revision)
+    return _from_hub(name_or_path, cache_dir=cache_dir, revision=revision, what="model")
 
 
-def _from_hub(repo_id: str, *, cache_dir: str | None, revision: str) -> Path:
+def resolve_adapter(name_or_path: str, *, cache_dir: str | None = None, revision: str = "main") -> Path:
+    """A local folder holding adapter_config.json for `name_or_path` (a folder or a hub id)."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        if not _looks_like_hub_id(name_or_path):
+            raise ModelError(f"adapter '{name_or_path}' is neither a local folder nor a hub id (owner/name); "
+                             f"point adapter_name_or_path at the folder a lora / oft run saved")
+        path = _from_hub(name_or_path, cache_dir=cache_dir, revision=revision, what="adapter")
+    if not (path / "adapter_config.json").is_file():
+        raise ModelError(f"adapter folder {path} has no adapter_config.json; point adapter_name_or_path at the "
+                         f"folder a lora / oft run saved (adapter_config.json + adapter_model.safetensors)")
+    return path
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return not name.startswith((".", "/", "~")) and name.count("/") == 1
+
+
+def _from_hub(repo_id: str, *, cache_dir: str | None, revision: str, what: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -51,8 +70,9 @@ def _from_hub(repo_id: str, *, cache_dir: str | None, revision: str) -> Path:
     except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
         where = "the hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache" if offline else str(e)
         raise ModelError(
-            f"cannot get model '{repo_id}': {where}. Download it first, or use a local folder or "
-            f"the built-in {BUILTIN_NAME}"
+            f"cannot get {what} '{repo_id}': there is no local folder of that name and {where}. Download it "
+            f"first (huggingface-cli download {repo_id}), or use a local folder"
+            + (f" or the built-in {BUILTIN_NAME}" if what == "model" else "")
         ) from None
 
 
@@ -94,7 +114,10 @@ def builtin_model_dir() -> Path:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF checkpoint into a Hugging Face safetensors folder (fp32 weights, bf16 by default)."""
+    """Dequantize a GGUF checkpoint into a Hugging Face safetensors folder.
+
+    Weights stay fp32: the dequantized 4-bit values are not all representable in bf16; a run picks its dtype.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -105,7 +128,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.dtype = torch.bfloat16  # the published checkpoint's dtype; loading picks per config/run
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dequantized.state_dict(), assign=True)

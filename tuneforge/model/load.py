@@ -1,0 +1,219 @@
+"""Load the tokenizer and a model ready to train: dtype, attention, quantization, checkpointing, adapters."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuneforge.errors import ConfigError, ModelError
+from tuneforge.model.adapters import apply_finetuning, upcast_trainable_params
+from tuneforge.model.hub import resolve
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from tuneforge.config import ModelArgs, RunConfig, TrainArgs
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = {"auto": "sdpa", "sdpa": "sdpa", "disabled": "eager", "eager": "eager", "fa2": "flash_attention_2"}
+
+
+def resolve_model_path(model_args: ModelArgs) -> Path:
+    """The local folder of cfg.model.model_name_or_path (downloaded / converted if needed)."""
+    if not model_args.model_name_or_path:
+        raise ConfigError("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)")
+    return resolve(model_args.model_name_or_path, cache_dir=model_args.cache_dir, revision=model_args.model_revision)
+
+
+def load_tokenizer(model_args: ModelArgs) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, padding on the right, with pad_token = eos_token when it has none."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model_args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    except ValueError as e:
+        raise ModelError(_explain_load_error(path, e)) from None
+    except OSError as e:
+        raise ModelError(f"cannot load a tokenizer from {path}: {e}. The folder needs tokenizer files "
+                         f"(tokenizer.json or tokenizer_config.json)") from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"the tokenizer in {path} has neither a pad_token nor an eos_token; "
+                             f"add one to its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info("tokenizer has no pad token: using eos %r", tokenizer.eos_token)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def compute_dtype(train_args: TrainArgs) -> torch.dtype:
+    """bf16 / fp16 when mixed precision is on, else fp32."""
+    if train_args.bf16:
+        return torch.bfloat16
+    if train_args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def attention_implementation(flash_attn: str) -> str:
+    """cfg.model.flash_attn -> the attn_implementation name transformers takes."""
+    if flash_attn not in ATTENTION:
+        raise ConfigError(f"flash_attn '{flash_attn}' is not one of {', '.join(ATTENTION)}")
+    return ATTENTION[flash_attn]
+
+
+def quantization_config(model_args: ModelArgs, dtype: torch.dtype):
+    """A BitsAndBytesConfig for quantization_bit 4 or 8, else None."""
+    bits = model_args.quantization_bit
+    if bits is None:
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise ConfigError("quantization_bit needs bitsandbytes: pip install 'tuneforge[qlora]'") from None
+    if bits == 4:
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=model_args.quantization_type,
+            bnb_4bit_use_double_quant=model_args.double_quantization, bnb_4bit_compute_dtype=dtype,
+        )
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise ConfigError(f"quantization_bit must be 4 or 8 (got {bits})")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrainedModel | PeftModel:
+    """The model of cfg, ready to train: a peft.PeftModel (lora / oft) or a PreTrainedModel (full / freeze)."""
+    m, method = cfg.model, cfg.method
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    path = resolve_model_path(m)
+    config = load_config(path, m)
+    run_dtype = compute_dtype(cfg.train)
+    # full fine-tuning trains (and so keeps in fp32) every weight: load it in fp32 directly
+    load_dtype = torch.float32 if method.finetuning_type == "full" else run_dtype
+    quant = quantization_config(m, run_dtype)
+    model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
+    model.config.use_cache = False  # the KV cache only costs memory while training
+    if quant is not None:
+        _prepare_quantized(model)
+    if not m.disable_gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model = apply_finetuning(model, cfg)
+    upcast_trainable_params(model)
+    model.train()
+    logger.info(
+        "loaded %s: dtype %s (trainable params fp32), attention %s, quantization %s, finetuning %s, "
+        "gradient checkpointing %s, device %s",
+        path, str(load_dtype).removeprefix("torch."), model.config._attn_implementation,
+        _describe_quant(m), method.finetuning_type, "off" if m.disable_gradient_checkpointing else "on", device,
+    )
+    logger.info("%s", describe_trainable(model))
+    return model
+
+
+def load_config(path: Path, model_args: ModelArgs) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelError(_explain_load_error(path, e)) from None
+
+
+def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.dtype, quant,
+                     device: torch.device) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    attn = attention_implementation(model_args.flash_attn)
+    kwargs = dict(config=config, dtype=dtype, trust_remote_code=model_args.trust_remote_code,
+                  device_map={"": str(device)})
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    try:
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
+        except ValueError as e:
+            if model_args.flash_attn != "auto" or "sdpa" not in str(e).lower():
+                raise
+            logger.warning("%s does not support sdpa attention; using eager", path)
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+    except ImportError as e:
+        raise ModelError(f"cannot load {path} with attention '{attn}': {e}. Set flash_attn: sdpa "
+                         f"or install the missing package") from None
+    except (ValueError, OSError) as e:
+        raise ModelError(_explain_load_error(path, e)) from None
+
+
+def _explain_load_error(path: Path, error: Exception) -> str:
+    text = str(error)
+    if "trust_remote_code" in text:
+        return (f"{path} holds custom model code that must run to load it; if you trust that code, "
+                f"set trust_remote_code: true")
+    if "safetensors" in text or "pytorch_model.bin" in text or "no file named" in text.lower():
+        return f"{path} has no model weights (model.safetensors): {text.splitlines()[0]}"
+    return f"cannot load the model in {path}: {text.splitlines()[0] if text else type(error).__name__}"
+
+
+def _describe_quant(model_args: ModelArgs) -> str:
+    bits = model_args.quantization_bit
+    if bits is None:
+        return "none"
+    if bits == 4:
+        double = " + double quantization" if model_args.double_quantization else ""
+        return f"4-bit {model_args.quantization_type}{double} (bitsandbytes)"
+    return "8-bit (bitsandbytes)"
+
+
+def _prepare_quantized(model: PreTrainedModel) -> None:
+    """Freeze the quantized base and keep its norms in fp32 for stability (small: one vector per norm).
+
+    Like peft's prepare_model_for_kbit_training, but without upcasting the embeddings / head to fp32,
+    which for a large vocabulary would cost more memory than the 4-bit body saves.
+    """
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for module in model.modules():
+        if "norm" in type(module).__name__.lower():
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    param.data = param.data.float()
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant checkpointing; inputs require grad so frozen embeddings still back-propagate."""
+    if not model.supports_gradient_checkpointing:
+        logger.warning("%s does not support gradient checkpointing; training without it",
+                       type(model).__name__)
+        return
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if not (getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None)):
+        model.enable_input_require_grads()
+
+
+def describe_trainable(model: torch.nn.Module) -> str:
+    """'trainable params: 1,234 || all params: 5,678 || trainable%: 21.7329' (tied weights counted once)."""
+    trainable = total = 0
+    for param in model.parameters():  # parameters() yields a tied weight once
+        count = param.numel() or getattr(param, "ds_numel", 0)  # DeepSpeed ZeRO-3 leaves shards empty
+        if type(param).__name__ == "Params4bit":  # two 4-bit values per stored byte
+            count *= 2 * getattr(getattr(param, "quant_storage", None), "itemsize", 1)
+        total += count
+        trainable += count if param.requires_grad else 0
+    share = 100 * trainable / total if total else 0.0
+    return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}"
