@@ -1,0 +1,10 @@
+"""Data: dataset_info.json -> raw rows -> Conversations -> stage encoder -> (packing) -> cached token rows.
+
+splits = build(cfg, tokenizer)          # DataSplits(train, eval, stats)
+rows = preview(cfg, tokenizer, n=3)     # rendered samples, supervised spans between ⟦ and ⟧
+collate = Collator(pad_token_id)        # rows -> padded tensors (tuneforge.data.collate)
+"""
+
+from tuneforge.data.pipeline import DataSplits, build, preview
+
+__all__ = ["DataSplits", "build", "preview"]

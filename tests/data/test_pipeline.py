@@ -1,0 +1,178 @@
+"""build(): cache hits and misses, tokenized_path, mixing, eval splits, sample limits, stats and preview."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+
+from tuneforge.data import DataSplits, build, preview
+from tuneforge.errors import DataError
+
+
+@pytest.fixture
+def two_datasets(tmp_path, write_dataset, alpaca_rows):
+    root = tmp_path / "d"
+    write_dataset(root, "small", alpaca_rows(4, "A"))
+    write_dataset(root, "large", alpaca_rows(8, "B"))
+    return root
+
+
+def origins(tokenizer, ds):
+    """'A' or 'B' for each row: which dataset its question came from."""
+    return ["A" if "A question" in tokenizer.decode(ids) else "B" for ids in ds["input_ids"]]
+
+
+def test_cache_hit_then_miss_after_the_data_changes(
+    tokenizer, home, two_datasets, make_cfg, alpaca_rows, write_dataset
+):
+    cfg = make_cfg(two_datasets, dataset="small")
+    first = build(cfg, tokenizer)
+    assert isinstance(first, DataSplits) and first.stats["cache_hit"] is False
+    second = build(cfg, tokenizer)
+    assert second.stats["cache_hit"] is True and second.stats["cache_dir"] == first.stats["cache_dir"]
+    assert second.train["input_ids"][:] == first.train["input_ids"][:]
+    assert str(home / "datasets") in first.stats["cache_dir"]
+    write_dataset(two_datasets, "small", alpaca_rows(5, "A"))  # a file's contents change
+    third = build(cfg, tokenizer)
+    assert third.stats["cache_hit"] is False and len(third.train) == 5
+    assert (
+        build(make_cfg(two_datasets, dataset="small", cutoff_len=512), tokenizer).stats["cache_hit"] is False
+    )
+    rebuilt = build(make_cfg(two_datasets, dataset="small", overwrite_cache=True), tokenizer)
+    assert rebuilt.stats["cache_hit"] is False and len(rebuilt.train) == 5
+    leftovers = [p.name for p in (home / "datasets").iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # temporary folders were renamed or removed
+
+
+def test_tokenized_path_round_trip(tokenizer, home, two_datasets, make_cfg, tmp_path):
+    target = tmp_path / "tokenized"
+    cfg = make_cfg(two_datasets, dataset="small,large", tokenized_path=str(target), val_size=2)
+    made = build(cfg, tokenizer)
+    assert (target / "train").is_dir() and (target / "eval").is_dir() and (target / "stats.json").is_file()
+    saved = datasets.load_from_disk(str(target))
+    assert saved["train"]["input_ids"][:] == made.train["input_ids"][:]
+    # a later run loads the folder, even without dataset names
+    again = build(make_cfg(two_datasets, tokenized_path=str(target)), tokenizer)
+    assert again.stats["cache_hit"] is True and again.stats["train_samples"] == 10
+    assert again.eval["input_ids"][:] == made.eval["input_ids"][:]
+
+
+def test_mix_strategies(tokenizer, home, two_datasets, make_cfg):
+    concat = build(make_cfg(two_datasets, dataset="small,large"), tokenizer)
+    assert origins(tokenizer, concat.train) == ["A"] * 4 + ["B"] * 8
+    under = build(make_cfg(two_datasets, dataset="small,large", mix_strategy="interleave_under"), tokenizer)
+    assert origins(tokenizer, under.train) == ["A", "B"] * 4  # alternates, stops when the small one ends
+    over = build(make_cfg(two_datasets, dataset="small,large", mix_strategy="interleave_over"), tokenizer)
+    assert origins(tokenizer, over.train) == ["A", "B"] * 8  # alternates until the large one ends too
+    keys = {"dataset": "small,large", "mix_strategy": "interleave_under", "interleave_probs": [0.2, 0.8]}
+    weighted = build(make_cfg(two_datasets, **keys), tokenizer)
+    again = build(make_cfg(two_datasets, overwrite_cache=True, **keys), tokenizer)
+    assert origins(tokenizer, weighted.train) == origins(tokenizer, again.train)  # seeded
+    assert origins(tokenizer, weighted.train).count("B") > origins(tokenizer, weighted.train).count("A")
+
+
+def test_val_size_share_count_and_eval_dataset(tokenizer, home, two_datasets, make_cfg):
+    share = build(make_cfg(two_datasets, dataset="small,large", val_size=0.25), tokenizer)
+    assert (len(share.train), len(share.eval)) == (9, 3)
+    count = build(make_cfg(two_datasets, dataset="small,large", val_size=5), tokenizer)
+    assert (len(count.train), len(count.eval)) == (7, 5)
+    held_out = {tuple(r) for r in count.eval["input_ids"]}
+    assert not held_out & {tuple(r) for r in count.train["input_ids"]}
+    other_seed = build(make_cfg(two_datasets, dataset="small,large", val_size=5, seed=7), tokenizer)
+    assert {tuple(r) for r in other_seed.eval["input_ids"]} != held_out
+    named = build(make_cfg(two_datasets, dataset="large", eval_dataset="small"), tokenizer)
+    assert (len(named.train), len(named.eval)) == (8, 4)
+    assert origins(tokenizer, named.eval) == ["A"] * 4
+    with pytest.raises(DataError, match="val_size 12 holds out every one of the 12 samples"):
+        build(make_cfg(two_datasets, dataset="small,large", val_size=12), tokenizer)
+
+
+def test_max_samples_and_num_samples(tokenizer, home, two_datasets, make_cfg, write_dataset, alpaca_rows):
+    limited = build(make_cfg(two_datasets, dataset="small,large", max_samples=3), tokenizer)
+    assert origins(tokenizer, limited.train) == ["A"] * 3 + ["B"] * 3
+    assert limited.stats["datasets"]["large"]["rows"] == 3
+    write_dataset(two_datasets, "repeated", alpaca_rows(3, "A"), {"num_samples": 7})
+    repeated = build(make_cfg(two_datasets, dataset="repeated"), tokenizer)
+    texts = [tokenizer.decode(r) for r in repeated.train["input_ids"]]
+    assert len(texts) == 7 and all(sum(f"A question {i}" in t for t in texts) >= 2 for i in range(3))
+
+
+def test_stats_count_tokens(tokenizer, home, two_datasets, make_cfg):
+    stats = build(make_cfg(two_datasets, dataset="small,large", packing=True, val_size=2), tokenizer).stats
+    for key in (
+        "rows_read",
+        "bad_rows",
+        "dropped_by_truncation",
+        "samples",
+        "tokens",
+        "supervised_tokens",
+        "packed_rows",
+        "cache_hit",
+        "train_samples",
+        "eval_samples",
+        "eval_tokens",
+    ):
+        assert key in stats, key
+    assert (stats["rows_read"], stats["samples"], stats["eval_samples"]) == (12, 10, 2)
+    assert stats["packed_rows"] == 1  # ten short samples fit in one 1024-token row
+    # each sample supervises "answer number i." + <|im_end|>: "answer", " number", " ", "i", ".", <|im_end|>
+    assert stats["supervised_tokens"] == 10 * 6
+
+
+def test_preview_marks_supervised_spans(tokenizer, home, two_datasets, make_cfg):
+    rows = preview(make_cfg(two_datasets, dataset="small"), tokenizer, n=2)
+    assert len(rows) == 2
+    assert rows[0].endswith(
+        "<|im_start|>user\nA question 0<|im_end|>\n<|im_start|>assistant\n⟦answer number 0.<|im_end|>⟧\n"
+    )
+    pt_rows = preview(make_cfg(two_datasets, dataset="small", stage="pt", cutoff_len=5), tokenizer, n=3)
+    # "A", " question", " ", "0", <|im_end|>: one document per 5-token row; its first token is not predicted
+    assert pt_rows == [f"A⟦ question {i}<|im_end|>⟧" for i in range(3)]
+
+
+def test_no_dataset_is_an_error(tokenizer, home, two_datasets, make_cfg):
+    with pytest.raises(DataError, match="no dataset to build"):
+        build(make_cfg(two_datasets), tokenizer)
+
+
+def test_workers_and_batch_size_do_not_change_the_result(tokenizer, home, two_datasets, make_cfg):
+    keys = {"dataset": "small,large", "packing": True, "cutoff_len": 64}
+    one = build(make_cfg(two_datasets, **keys), tokenizer)
+    two = build(
+        make_cfg(
+            two_datasets,
+            overwrite_cache=True,
+            preprocessing_num_workers=2,
+            preprocessing_batch_size=3,
+            **keys,
+        ),
+        tokenizer,
+    )
+    assert two.stats["cache_hit"] is False
+    assert [dict(r) for r in two.train] == [dict(r) for r in one.train]
+
+
+def test_neat_packing_packs_and_empty_tokenized_folder_is_filled(
+    tokenizer, home, two_datasets, make_cfg, tmp_path
+):
+    target = tmp_path / "made-by-user"
+    target.mkdir()
+    splits = build(
+        make_cfg(two_datasets, dataset="small", neat_packing=True, tokenized_path=str(target)), tokenizer
+    )
+    assert splits.stats["packed_rows"] == len(splits.train) == 1
+    assert "position_ids" in splits.train.column_names
+    assert datasets.load_from_disk(str(target))["train"].num_rows == 1
+
+
+def test_interleave_over_with_a_zero_share_is_refused(tokenizer, home, two_datasets, make_cfg):
+    with pytest.raises(DataError, match="interleave_over with an interleave_probs value of 0 never ends"):
+        build(
+            make_cfg(
+                two_datasets,
+                dataset="small,large",
+                mix_strategy="interleave_over",
+                interleave_probs=[0.0, 1.0],
+            ),
+            tokenizer,
+        )

@@ -1,0 +1,112 @@
+"""The tokenized-data cache: keys from file contents and the tokenizer, atomic writes, loading back.
+
+A cache entry (and a tokenized_path folder) is a `datasets.DatasetDict` saved with save_to_disk
+(splits train / eval) plus stats.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tuneforge.data import registry
+from tuneforge.data.registry import DatasetAttr
+from tuneforge.errors import DataError
+
+CACHE_VERSION = 1  # bump when the encoding of the same inputs changes
+STATS_FILE = "stats.json"
+SPLITS = ("train", "eval")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dataset_identity(attr: DatasetAttr, dataset_dir: str) -> dict[str, Any]:
+    """What a dataset's rows depend on: its dataset_info entry and, for files, their contents.
+
+    Hub datasets are known by id, split and revision only; set overwrite_cache after they change.
+    """
+    identity: dict[str, Any] = {"name": attr.name, "entry": attr.entry}
+    if attr.load_from in ("file", "script"):
+        root = Path(dataset_dir) / attr.source
+        files = (
+            registry.local_files(attr, dataset_dir)
+            if attr.load_from == "file"
+            else sorted(p for p in root.rglob("*") if p.is_file())
+        )
+        identity["files"] = [(str(p.relative_to(dataset_dir)), _sha256_file(p)) for p in files]
+    return identity
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's vocabulary and rules (its tokenizer.json) and special tokens."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def save_splits(splits: dict[str, Any], stats: dict[str, Any], target: Path, *, replace: bool) -> None:
+    """Write splits + stats to a temporary folder beside `target`, then rename it into place.
+
+    Without `replace`, a `target` that appeared meanwhile (another process built the same key) is kept.
+    """
+    import datasets
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2, default=str), encoding="utf-8")
+        old = None
+        if target.exists() and replace:
+            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_splits(path: Path, *, cache_hit: bool) -> tuple[Any, Any, dict[str, Any]]:
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DataError(
+            f"{path} is not a tokenized dataset folder ({e}); delete it or set overwrite_cache: true"
+        ) from None
+    if not isinstance(saved, datasets.DatasetDict):
+        saved = datasets.DatasetDict({"train": saved})
+    unknown = set(saved) - set(SPLITS)
+    if unknown:
+        raise DataError(f"{path} holds splits {sorted(saved)}; expected train and/or eval")
+    stats_path = path / STATS_FILE
+    stats = json.loads(stats_path.read_text(encoding="utf-8")) if stats_path.is_file() else {}
+    stats["cache_hit"] = cache_hit
+    stats["cache_dir"] = str(path)
+    return saved.get("train"), saved.get("eval"), stats
+
+
+def is_empty_folder(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())

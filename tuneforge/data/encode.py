@@ -1,0 +1,260 @@
+"""One encoder per stage: raw rows -> token rows. Each is a batched `datasets.map` function.
+
+Every output row carries `_status`: ok / ok_truncated (kept), bad (skipped malformed row), dropped
+(truncation left nothing supervised), empty (a pt document without text). The pipeline counts and
+filters on it. Later stages add encoders here (`pairwise` for rm/dpo, `feedback` for kto) and name the
+dataset kinds they read in ENCODERS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tuneforge.data import formats, template
+from tuneforge.data.formats import BadRow
+from tuneforge.data.registry import DatasetAttr
+from tuneforge.errors import DataError
+
+IGNORE_INDEX = -100
+KEPT = ("ok", "ok_truncated")
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    stage: str
+    cutoff_len: int
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    default_system: str | None = None
+    skip_bad_rows: bool = False
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    name: str
+    kinds: tuple[str, ...]  # the DatasetAttr kinds it reads
+
+
+ENCODERS = {"pt": EncoderSpec("pretrain", ("plain",)), "sft": EncoderSpec("supervised", ("plain",))}
+KIND_WORDS = {
+    "pairwise": "a ranking dataset (chosen/rejected, for rm or dpo)",
+    "feedback": "a feedback dataset (kto_tag, for kto)",
+}
+
+
+def check_stage(attr: DatasetAttr, stage: str) -> None:
+    spec = ENCODERS.get(stage)
+    if spec is None:
+        raise DataError(f"stage {stage} has no data encoder yet; available: {', '.join(ENCODERS)}")
+    if attr.kind not in spec.kinds:
+        raise DataError(
+            f"dataset '{attr.name}' is {KIND_WORDS[attr.kind]}, which stage {stage} cannot train "
+            f"on; choose a dataset without ranking/kto_tag, or another stage"
+        )
+
+
+def bad_row_error(attr: DatasetAttr, row_index: int, problem: str) -> DataError:
+    return DataError(
+        f"dataset '{attr.name}' ({attr.source}), row {row_index}: {problem}. Fix the row, or set "
+        f"skip_bad_rows: true to skip and count such rows"
+    )
+
+
+def row_features(packed: bool) -> Any:
+    """The column types of token rows (int32 ids and labels keep the cache small)."""
+    import datasets
+
+    ints = datasets.List(datasets.Value("int32"))
+    cols = {"input_ids": ints, "labels": ints, "attention_mask": datasets.List(datasets.Value("int8"))}
+    if packed:
+        cols["position_ids"] = ints
+    return datasets.Features(cols)
+
+
+def encoded_features(stage: str) -> Any:
+    """The column types an encoder's map returns."""
+    import datasets
+
+    if stage == "pt":
+        return datasets.Features(
+            {"input_ids": datasets.List(datasets.Value("int32")), "_status": datasets.Value("string")}
+        )
+    features = row_features(False)
+    features["_status"] = datasets.Value("string")
+    return features
+
+
+def split_budget(source_len: int, target_len: int, budget: int) -> tuple[int, int]:
+    """How many prompt and response tokens of one turn fit in `budget` (LlamaFactory's rule).
+
+    A short response (under half the budget) is kept whole and the prompt cut; else a short prompt is
+    kept whole and the response cut; else both are cut in proportion to their lengths.
+    """
+    if 2 * target_len < budget:
+        target_cap = budget
+    elif 2 * source_len < budget:
+        target_cap = budget - source_len
+    else:
+        target_cap = int(budget * target_len / (source_len + target_len))
+    target = min(target_cap, target_len)
+    source = min(max(budget - target, 0), source_len)
+    return source, target
+
+
+@dataclass
+class Turn:
+    source: list[int]
+    source_labels: list[int]
+    target: list[int]
+    target_labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.source) + len(self.target)
+
+    def cut(self, budget: int) -> Turn:
+        s, t = split_budget(len(self.source), len(self.target), budget)
+        return Turn(self.source[:s], self.source_labels[:s], self.target[:t], self.target_labels[:t])
+
+
+def make_turns(ids: list[int], spans: list[tuple[int, int]], s: EncodeSettings) -> list[Turn]:
+    """Split a rendered conversation at its assistant spans: turn k = (prompt before span k, span k).
+
+    The text after the last span (the template's trailing newline) joins the last response, unsupervised.
+    """
+    turns, prev = [], 0
+    for k, (start, end) in enumerate(spans):
+        end = len(ids) if k == len(spans) - 1 else end
+        supervised = s.train_on_prompt or not s.mask_history or k == len(spans) - 1
+        target = ids[start:end]
+        labels = list(target) if supervised else [IGNORE_INDEX] * len(target)
+        if not s.train_on_prompt:
+            span_len = spans[k][1] - start
+            labels[span_len:] = [IGNORE_INDEX] * (len(target) - span_len)
+        source = ids[prev:start]
+        turns.append(
+            Turn(source, list(source) if s.train_on_prompt else [IGNORE_INDEX] * len(source), target, labels)
+        )
+        prev = end
+    return turns
+
+
+def fit_turns(turns: list[Turn], cutoff_len: int, *, keep_last: bool) -> list[Turn]:
+    """Turns that fit in cutoff_len: whole turns from the start, then the first that does not fit is cut.
+
+    With keep_last (mask_history, where only the last turn is supervised) the last turn is fitted first and
+    whole earlier turns are kept from the end while they fit.
+    """
+    if sum(map(len, turns)) <= cutoff_len:
+        return turns
+    if keep_last:
+        last = turns[-1].cut(cutoff_len)
+        budget, kept = cutoff_len - len(last), [last]
+        for turn in reversed(turns[:-1]):
+            if len(turn) > budget:
+                break
+            kept.insert(0, turn)
+            budget -= len(turn)
+        return kept
+    kept, budget = [], cutoff_len
+    for turn in turns:
+        if budget <= 0:
+            break
+        cut = turn.cut(budget)
+        kept.append(cut)
+        budget -= len(cut)
+    return kept
+
+
+def build_sample(
+    ids: list[int], spans: list[tuple[int, int]], s: EncodeSettings
+) -> tuple[list[int], list[int], str]:
+    """(input_ids, labels, status) of one rendered conversation, truncated to cutoff_len."""
+    turns = make_turns(ids, spans, s)
+    kept = fit_turns(turns, s.cutoff_len, keep_last=s.mask_history and not s.train_on_prompt)
+    input_ids, labels = [], []
+    for t in kept:
+        input_ids += t.source + t.target
+        labels += t.source_labels + t.target_labels
+    # the first label is never predicted (nothing comes before it), so it cannot keep a sample alive
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return [], [], "dropped"
+    return input_ids, labels, "ok_truncated" if len(input_ids) < len(ids) else "ok"
+
+
+def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+    keys = list(batch)
+    return [dict(zip(keys, values, strict=True)) for values in zip(*(batch[k] for k in keys), strict=True)]
+
+
+def _row_number(indices: list[int], i: int, row_numbers: list[int] | None) -> int:
+    return row_numbers[indices[i]] if row_numbers is not None else indices[i]
+
+
+def encode_supervised(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: Any,
+    chat: template.ChatTemplate,
+    attr: DatasetAttr,
+    settings: EncodeSettings,
+    row_numbers: list[int] | None = None,
+) -> dict[str, list]:
+    """sft: chat template, labels on each assistant turn's content and end-of-turn marker."""
+    rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
+    status = ["bad"] * len(indices)
+    for i, row in enumerate(_rows(batch)):
+        try:
+            conv = formats.to_conversation(row, attr, default_system=settings.default_system)
+            text, spans = template.render(tokenizer, chat, conv)
+        except BadRow as e:
+            if not settings.skip_bad_rows:
+                raise bad_row_error(attr, _row_number(indices, i, row_numbers), str(e)) from None
+            continue
+        rendered.append((i, text, spans))
+    out: dict[str, list] = {"input_ids": [[] for _ in indices], "labels": [[] for _ in indices]}
+    if rendered:
+        all_ids, all_offsets = template.tokenize_rendered(tokenizer, [text for _, text, _ in rendered])
+        for (i, _, spans), ids, offsets in zip(rendered, all_ids, all_offsets, strict=True):
+            tok_spans = template.token_spans(offsets, spans)
+            out["input_ids"][i], out["labels"][i], status[i] = build_sample(ids, tok_spans, settings)
+    out["attention_mask"] = [[1] * len(ids) for ids in out["input_ids"]]
+    out["_status"] = status
+    return out
+
+
+def encode_pretrain(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: Any,
+    attr: DatasetAttr,
+    settings: EncodeSettings,
+    row_numbers: list[int] | None = None,
+) -> dict[str, list]:
+    """pt: each document as the tokenizer encodes it (with its special tokens), then EOS.
+
+    Chunking into cutoff_len rows happens later (packing.chunk_documents), over the whole dataset.
+    """
+    texts, status = [], []
+    for i, row in enumerate(_rows(batch)):
+        try:
+            text = formats.to_document(row, attr)
+        except BadRow as e:
+            if not settings.skip_bad_rows:
+                raise bad_row_error(attr, _row_number(indices, i, row_numbers), str(e)) from None
+            texts.append("")
+            status.append("bad")
+            continue
+        texts.append(text)
+        status.append("ok" if text else "empty")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("stage pt ends every document with the EOS token, but the tokenizer has no eos_token")
+    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    ids = [
+        (e if e and e[-1] == eos else e + [eos]) if s == "ok" else []
+        for e, s in zip(encoded, status, strict=True)
+    ]
+    return {"input_ids": ids, "_status": status}

@@ -1,0 +1,157 @@
+"""Packing: several samples (sft) or documents (pt) in one row of at most cutoff_len tokens.
+
+A packed row carries `position_ids` that restart at 0 for each piece; with no attention_mask the model
+builds a block-diagonal causal mask from them (transformers' find_packed_sequence_indices), so no piece
+attends to another. The label of each piece's first token is -100: inside its own sample nothing
+precedes it, so only the previous sample's last token could "predict" it — which unpacked training
+never does. Packed loss therefore equals unpacked loss.
+
+pt differs from LlamaFactory here on purpose: LlamaFactory concatenates documents with attention across
+them; we give each document its own positions and attention, the same as sft packing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tuneforge.data.encode import IGNORE_INDEX, row_features
+
+Piece = tuple[int, int, int]  # (sample index, start, end) in the source dataset
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins (lists of sample indices) of total length <= capacity: longest first, each into the first bin
+    with room. Deterministic (ties keep input order); O(n log n) through a max-tree over the bins."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    if max(lengths) > capacity:
+        raise ValueError(f"a sample of {max(lengths)} tokens cannot fit in rows of {capacity}")
+    size = 1
+    while size < n:
+        size *= 2
+    room = [-1] * (2 * size)  # room[node] = the most room left in any bin under node
+    for leaf in range(n):
+        room[size + leaf] = capacity
+    for node in range(size - 1, 0, -1):
+        room[node] = max(room[2 * node], room[2 * node + 1])
+    bins: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(n), key=lambda k: (-lengths[k], k)):
+        node = 1
+        while node < size:  # walk to the leftmost bin with enough room
+            node = 2 * node if room[2 * node] >= lengths[i] else 2 * node + 1
+        bins[node - size].append(i)
+        room[node] -= lengths[i]
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
+    return [b for b in bins if b]
+
+
+def sequential_pieces(lengths: list[int], capacity: int, *, across_documents: bool) -> list[list[Piece]]:
+    """Documents in order, cut into rows of `capacity` tokens; a long document continues in the next row.
+
+    across_documents=False starts every document in a new row (one document per row, split if long).
+    """
+    rows: list[list[Piece]] = []
+    row: list[Piece] = []
+    room = capacity
+    for doc, n in enumerate(lengths):
+        if not across_documents and row:
+            rows.append(row)
+            row, room = [], capacity
+        start = 0
+        while start < n:
+            take = min(room, n - start)
+            row.append((doc, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                rows.append(row)
+                row, room = [], capacity
+    if row:
+        rows.append(row)
+    return rows
+
+
+def bins_to_pieces(bins: list[list[int]], lengths: list[int]) -> list[list[Piece]]:
+    return [[(i, 0, lengths[i]) for i in b] for b in bins]
+
+
+def assemble_batch(batch: dict[str, list], *, source: Any, packed: bool) -> dict[str, list]:
+    """Rows from their pieces. Without `labels` in the source (pt), labels are the input ids."""
+    plans = batch["pieces"]
+    wanted = sorted({p[0] for plan in plans for p in plan})
+    fetched = source.select(wanted)[:] if wanted else {"input_ids": []}
+    where = {index: k for k, index in enumerate(wanted)}
+    has_labels = "labels" in fetched
+    out: dict[str, list] = {"input_ids": [], "labels": [], "attention_mask": []}
+    if packed:
+        out["position_ids"] = []
+    for plan in plans:
+        ids, labels, positions = [], [], []
+        for doc, start, end in plan:
+            piece = fetched["input_ids"][where[doc]][start:end]
+            piece_labels = list(fetched["labels"][where[doc]][start:end] if has_labels else piece)
+            if packed:
+                piece_labels[0] = IGNORE_INDEX
+            ids += piece
+            labels += piece_labels
+            positions += range(len(piece))
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["attention_mask"].append([1] * len(ids))
+        if packed:
+            out["position_ids"].append(positions)
+    return out
+
+
+def assemble(
+    source: Any,
+    plan: list[list[Piece]],
+    *,
+    packed: bool,
+    num_proc: int | None,
+    batch_size: int,
+    fingerprint: str,
+) -> Any:
+    """A Dataset of rows built from `plan` over the samples / documents of `source`."""
+    import datasets
+
+    plan_ds = datasets.Dataset.from_dict({"pieces": [[list(p) for p in row] for row in plan]})
+    return plan_ds.map(
+        assemble_batch,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        fn_kwargs={"source": source, "packed": packed},
+        remove_columns=["pieces"],
+        features=row_features(packed),
+        new_fingerprint=fingerprint,
+        load_from_cache_file=False,
+        desc="packing" if packed else "chunking",
+    )
+
+
+def pack_samples(source: Any, cutoff_len: int, **kw: Any) -> Any:
+    """sft packing: samples bin-packed (first-fit decreasing) into rows of at most cutoff_len tokens."""
+    lengths = _lengths(source)
+    return assemble(
+        source, bins_to_pieces(first_fit_decreasing(lengths, cutoff_len), lengths), packed=True, **kw
+    )
+
+
+def chunk_documents(source: Any, cutoff_len: int, *, packed: bool, **kw: Any) -> Any:
+    """pt: documents concatenated in order and cut into cutoff_len rows (packed), or one document per row."""
+    plan = sequential_pieces(_lengths(source), cutoff_len, across_documents=packed)
+    return assemble(source, plan, packed=packed, **kw)
+
+
+def _lengths(source: Any) -> list[int]:
+    import pyarrow.compute as pc
+
+    lengths: list[int] = []
+    for table in source.with_format("arrow").iter(batch_size=10_000):
+        lengths += pc.list_value_length(table["input_ids"]).to_pylist()
+    return lengths

@@ -1,0 +1,361 @@
+"""build(): dataset names -> tokenized train / eval splits, cached by the hash of everything they depend on.
+
+registry (rows) -> encode (stage encoder, per dataset) -> mix -> eval split -> packing -> cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuneforge.data import cache, encode, formats, packing, registry, template
+from tuneforge.data.registry import DatasetAttr
+from tuneforge.errors import DataError
+from tuneforge.paths import tuneforge_home
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSplits:
+    train: Any  # datasets.Dataset | None
+    eval: Any  # datasets.Dataset | None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _Plan:
+    """Everything one build depends on, resolved from the config and the tokenizer."""
+
+    def __init__(self, cfg: Any, tokenizer: Any) -> None:
+        d = cfg.data
+        self.cfg, self.tokenizer, self.stage = cfg, tokenizer, cfg.method.stage
+        self.train_attrs = registry.get_dataset_attrs(d.dataset, d.dataset_dir)
+        self.eval_attrs = registry.get_dataset_attrs(d.eval_dataset, d.dataset_dir)
+        if not self.train_attrs and not self.eval_attrs:
+            raise DataError(
+                "no dataset to build: set dataset (names from dataset_info.json), or tokenized_path "
+                "to a folder written by `tuneforge preprocess`"
+            )
+        for attr in self.train_attrs + self.eval_attrs:
+            registry.check_supported(attr)
+            encode.check_stage(attr, self.stage)
+        self.chat = template.resolve_template(cfg.model.template, tokenizer) if self.stage == "sft" else None
+        self.settings = encode.EncodeSettings(
+            stage=self.stage,
+            cutoff_len=d.cutoff_len,
+            train_on_prompt=d.train_on_prompt,
+            mask_history=d.mask_history,
+            default_system=d.default_system,
+            skip_bad_rows=d.skip_bad_rows,
+        )
+        self.packing = bool(d.neat_packing) or (d.packing if d.packing is not None else self.stage == "pt")
+        self.key = self._key()
+
+    def _key(self) -> str:
+        d, t = self.cfg.data, self.cfg.train
+        material = {
+            "version": cache.CACHE_VERSION,
+            "train": [cache.dataset_identity(a, d.dataset_dir) for a in self.train_attrs],
+            "eval": [cache.dataset_identity(a, d.dataset_dir) for a in self.eval_attrs],
+            "tokenizer": cache.tokenizer_fingerprint(self.tokenizer),
+            "template": self.cfg.model.template,
+            "chat_template": self.chat.text(self.tokenizer) if self.chat else None,
+            "stage": self.stage,
+            "cutoff_len": d.cutoff_len,
+            "train_on_prompt": d.train_on_prompt,
+            "mask_history": d.mask_history,
+            "packing": self.packing,
+            "max_samples": d.max_samples,
+            "val_size": d.val_size,
+            "mix_strategy": d.mix_strategy,
+            "interleave_probs": d.interleave_probs,
+            "seed": t.seed,
+            "default_system": d.default_system,
+            "skip_bad_rows": d.skip_bad_rows,
+        }
+        return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def fingerprint(self, *parts: str) -> str:
+        """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer)."""
+        return hashlib.sha256("/".join((self.key,) + parts).encode()).hexdigest()[:32]
+
+
+def _sample_indices(n: int, target: int, seed: int) -> list[int]:
+    """LlamaFactory's num_samples: a seeded random subset, or the whole set repeated plus a random rest."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    whole = list(range(n)) * (target // n)
+    return whole + rng.permutation(n)[: target % n].tolist()
+
+
+def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> Any:
+    d = plan.cfg.data
+    raw = registry.load_raw(attr, d.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
+    formats.check_columns(attr, raw.column_names, plan.stage)
+    row_numbers = None
+    if attr.num_samples:
+        row_numbers = _sample_indices(len(raw), attr.num_samples, plan.cfg.train.seed)
+        raw = raw.select(row_numbers)
+    if d.max_samples and len(raw) > d.max_samples:
+        raw = raw.select(range(d.max_samples))
+    fn_kwargs: dict[str, Any] = {
+        "tokenizer": plan.tokenizer,
+        "attr": attr,
+        "settings": plan.settings,
+        "row_numbers": row_numbers,
+    }
+    if plan.stage == "sft":
+        fn_kwargs["chat"] = plan.chat
+    encoded = raw.map(
+        encode.encode_supervised if plan.stage == "sft" else encode.encode_pretrain,
+        batched=True,
+        with_indices=True,
+        batch_size=d.preprocessing_batch_size,
+        num_proc=d.preprocessing_num_workers,
+        remove_columns=raw.column_names,
+        fn_kwargs=fn_kwargs,
+        features=encode.encoded_features(plan.stage),
+        new_fingerprint=plan.fingerprint(attr.name, "encode"),
+        load_from_cache_file=False,
+        desc=f"encoding {attr.name}",
+    )
+    counts = Counter(encoded["_status"])
+    kept = encoded.filter(
+        lambda status: [s in encode.KEPT for s in status],
+        input_columns="_status",
+        batched=True,
+        new_fingerprint=plan.fingerprint(attr.name, "filter"),
+        load_from_cache_file=False,
+    ).remove_columns("_status")
+    stats["datasets"][attr.name] = entry = {
+        "rows": len(raw),
+        "bad_rows": counts["bad"],
+        "dropped_by_truncation": counts["dropped"],
+        "truncated": counts["ok_truncated"],
+        "empty_documents": counts["empty"],
+        "samples": len(kept),
+    }
+    if entry["bad_rows"]:
+        logger.warning(
+            "dataset '%s': skipped %d bad rows of %d (skip_bad_rows)", attr.name, entry["bad_rows"], len(raw)
+        )
+    if entry["dropped_by_truncation"]:
+        logger.warning(
+            "dataset '%s': dropped %d samples with nothing left to learn after truncation to cutoff_len=%d",
+            attr.name,
+            entry["dropped_by_truncation"],
+            d.cutoff_len,
+        )
+    if len(kept) == 0:
+        raise DataError(
+            f"dataset '{attr.name}' is empty after encoding: of {len(raw)} rows, {entry['bad_rows']} were "
+            f"skipped as bad, {entry['dropped_by_truncation']} lost all supervised tokens to truncation at "
+            f"cutoff_len={d.cutoff_len}, {entry['empty_documents']} had no text; "
+            f"fix the rows or raise cutoff_len"
+        )
+    return kept
+
+
+def _mix(plan: _Plan, parts: list[Any]) -> Any:
+    import datasets
+
+    d = plan.cfg.data
+    if len(parts) == 1:
+        return parts[0]
+    if d.mix_strategy == "concat":
+        return datasets.concatenate_datasets(parts)
+    stopping = "first_exhausted" if d.mix_strategy == "interleave_under" else "all_exhausted"
+    if stopping == "all_exhausted" and d.interleave_probs and min(d.interleave_probs) == 0:
+        raise DataError(
+            "mix_strategy interleave_over with an interleave_probs value of 0 never ends (that "
+            "dataset is never drawn, so never exhausted); drop the dataset or give it a share"
+        )
+    return datasets.interleave_datasets(
+        parts, probabilities=d.interleave_probs, seed=plan.cfg.train.seed, stopping_strategy=stopping
+    )
+
+
+def _split_eval(plan: _Plan, train: Any) -> tuple[Any, Any]:
+    val_size = plan.cfg.data.val_size
+    size: float | int = int(val_size) if val_size >= 1 else val_size
+    if isinstance(size, int) and size >= len(train):
+        raise DataError(f"val_size {size} holds out every one of the {len(train)} samples; lower val_size")
+    parts = train.train_test_split(
+        test_size=size,
+        seed=plan.cfg.train.seed,
+        shuffle=True,
+        train_new_fingerprint=plan.fingerprint("split", "train"),
+        test_new_fingerprint=plan.fingerprint("split", "eval"),
+    )
+    return parts["train"], parts["test"]
+
+
+def _rows(plan: _Plan, samples: Any, split: str) -> Any:
+    """Samples -> training rows: pt chunks documents; sft packs samples when packing is on."""
+    if samples is None:
+        return None
+    d = plan.cfg.data
+    kw = {
+        "num_proc": d.preprocessing_num_workers,
+        "batch_size": d.preprocessing_batch_size,
+        "fingerprint": plan.fingerprint(split, "rows"),
+    }
+    if plan.stage == "pt":
+        return packing.chunk_documents(samples, d.cutoff_len, packed=plan.packing, **kw)
+    if plan.packing:
+        return packing.pack_samples(samples, d.cutoff_len, **kw)
+    return samples
+
+
+def _token_counts(ds: Any) -> dict[str, int]:
+    """Rows, tokens and supervised tokens (labels the loss uses: every label but each row's first)."""
+    import pyarrow.compute as pc
+
+    rows = tokens = supervised = 0
+    for table in ds.with_format("arrow").iter(batch_size=10_000):
+        labels = table["labels"]
+        rows += table.num_rows
+        tokens += pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0
+        flat = pc.list_flatten(labels)
+        first = pc.list_element(labels, 0)
+        supervised += (pc.sum(pc.not_equal(flat, encode.IGNORE_INDEX)).as_py() or 0) - (
+            pc.sum(pc.not_equal(first, encode.IGNORE_INDEX)).as_py() or 0
+        )
+    return {"rows": rows, "tokens": tokens, "supervised_tokens": supervised}
+
+
+def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    d = plan.cfg.data
+    stats: dict[str, Any] = {"datasets": {}, "stage": plan.stage, "packing": plan.packing}
+    train = (
+        _mix(plan, [_encode_dataset(plan, a, stats) for a in plan.train_attrs]) if plan.train_attrs else None
+    )
+    evaluation = None
+    if plan.eval_attrs:
+        import datasets
+
+        parts = [_encode_dataset(plan, a, stats) for a in plan.eval_attrs]
+        evaluation = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+        if d.val_size > 0:
+            logger.warning("eval_dataset is set, so val_size %s is ignored", d.val_size)
+    elif d.val_size > 0 and train is not None:
+        train, evaluation = _split_eval(plan, train)
+    per = stats["datasets"].values()
+    stats.update(
+        {
+            "rows_read": sum(e["rows"] for e in per),
+            "bad_rows": sum(e["bad_rows"] for e in per),
+            "dropped_by_truncation": sum(e["dropped_by_truncation"] for e in per),
+            "train_samples": len(train) if train is not None else 0,
+            "eval_samples": len(evaluation) if evaluation is not None else 0,
+        }
+    )
+    splits = {"train": _rows(plan, train, "train"), "eval": _rows(plan, evaluation, "eval")}
+    for name, ds in splits.items():
+        if ds is not None:
+            counts = _token_counts(ds)
+            stats[f"{name}_rows"], stats[f"{name}_tokens"] = counts["rows"], counts["tokens"]
+            stats[f"{name}_supervised_tokens"] = counts["supervised_tokens"]
+    stats["samples"] = stats["train_samples"]
+    stats["tokens"] = stats.get("train_tokens", 0)
+    stats["supervised_tokens"] = stats.get("train_supervised_tokens", 0)
+    stats["packed_rows"] = stats.get("train_rows", 0) if plan.packing else 0
+    return {k: v for k, v in splits.items() if v is not None}, stats
+
+
+def _load(path: Path, *, cache_hit: bool) -> DataSplits:
+    train, evaluation, stats = cache.load_splits(path, cache_hit=cache_hit)
+    return DataSplits(train=train, eval=evaluation, stats=stats)
+
+
+def build(cfg: Any, tokenizer: Any) -> DataSplits:
+    """Tokenized train / eval splits for cfg (a RunConfig), from the cache when nothing changed."""
+    d = cfg.data
+    saved = Path(d.tokenized_path) if d.tokenized_path else None
+    if saved is not None and saved.exists() and not d.overwrite_cache and not cache.is_empty_folder(saved):
+        logger.info("loading tokenized data from tokenized_path %s", saved)
+        return _load(saved, cache_hit=True)
+    plan = _Plan(cfg, tokenizer)
+    entry = tuneforge_home() / "datasets" / plan.key
+    if (entry / cache.STATS_FILE).is_file() and not d.overwrite_cache:
+        logger.info("tokenized data: cache hit %s", entry)
+        splits = _load(entry, cache_hit=True)
+    else:
+        logger.info(
+            "tokenizing %s for stage %s",
+            ", ".join(a.name for a in plan.train_attrs + plan.eval_attrs),
+            plan.stage,
+        )
+        built, stats = _build_fresh(plan)
+        cache.save_splits(built, stats, entry, replace=d.overwrite_cache)
+        splits = _load(entry, cache_hit=False)
+    if saved is not None:
+        found = {k: v for k, v in (("train", splits.train), ("eval", splits.eval)) if v is not None}
+        kept_stats = {k: v for k, v in splits.stats.items() if k not in ("cache_hit", "cache_dir")}
+        cache.save_splits(found, kept_stats, saved, replace=True)
+        logger.info("saved tokenized data to %s", saved)
+    return splits
+
+
+OPEN_MARK, CLOSE_MARK = "⟦", "⟧"
+
+
+def mark_supervised(tokenizer: Any, input_ids: list[int], labels: list[int]) -> str:
+    """The decoded text with each run of supervised tokens between ⟦ and ⟧."""
+    out, run, run_supervised = [], [], None
+    for token, label in zip(input_ids, labels, strict=True):
+        supervised = label != encode.IGNORE_INDEX
+        if run and supervised != run_supervised:
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            out.append(OPEN_MARK + text + CLOSE_MARK if run_supervised else text)
+            run = []
+        run.append(token)
+        run_supervised = supervised
+    if run:
+        text = tokenizer.decode(run, skip_special_tokens=False)
+        out.append(OPEN_MARK + text + CLOSE_MARK if run_supervised else text)
+    return "".join(out)
+
+
+def _preview_rows(plan: _Plan, attr: DatasetAttr, count: int) -> list[tuple[list[int], list[int]]]:
+    import datasets
+
+    raw = registry.load_raw(attr, plan.cfg.data.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
+    formats.check_columns(attr, raw.column_names, plan.stage)
+    head = raw.select(range(min(len(raw), max(4 * count, 16))))[:]
+    indices = list(range(len(head[raw.column_names[0]])))
+    if plan.stage == "sft":
+        enc = encode.encode_supervised(
+            head, indices, tokenizer=plan.tokenizer, chat=plan.chat, attr=attr, settings=plan.settings
+        )
+        kept = [i for i, s in enumerate(enc["_status"]) if s in encode.KEPT]
+        return [(enc["input_ids"][i], enc["labels"][i]) for i in kept]
+    enc = encode.encode_pretrain(head, indices, tokenizer=plan.tokenizer, attr=attr, settings=plan.settings)
+    docs = [ids for ids, s in zip(enc["input_ids"], enc["_status"], strict=True) if s in encode.KEPT]
+    pieces = packing.sequential_pieces(
+        [len(x) for x in docs], plan.cfg.data.cutoff_len, across_documents=plan.packing
+    )
+    rows = packing.assemble_batch(
+        {"pieces": pieces[:count]},
+        source=datasets.Dataset.from_dict({"input_ids": docs}),
+        packed=plan.packing,
+    )
+    return list(zip(rows["input_ids"], rows["labels"], strict=True))
+
+
+def preview(cfg: Any, tokenizer: Any, n: int = 3) -> list[str]:
+    """The first n training samples (before packing) as text, supervised tokens between ⟦ and ⟧."""
+    plan = _Plan(cfg, tokenizer)
+    out: list[str] = []
+    for attr in plan.train_attrs + plan.eval_attrs:
+        for ids, labels in _preview_rows(plan, attr, n - len(out)):
+            out.append(mark_supervised(tokenizer, ids, labels))
+            if len(out) == n:
+                return out
+    return out

@@ -1,0 +1,264 @@
+"""Render a Conversation with a chat template and find the tokens the model is trained on.
+
+By default the tokenizer's own `chat_template` renders the text, through `apply_chat_template`, so the
+training tokens are exactly the ones the model sees at inference. The supervised spans are found by
+rendering prefixes: the text of `messages[:i]` with the generation prompt ends where assistant turn i
+starts, and the text of `messages[:i + 1]` ends where it stops. Characters map to tokens through the fast
+tokenizer's offset mapping; a token that overlaps a span is supervised.
+
+A supervised span is the assistant's content plus the template's end-of-turn marker (`<|im_end|>`,
+`<|eot_id|>`, `</s>`): the model must learn to stop. Whitespace that the template writes after the
+marker (ChatML's newline) stays unsupervised: generation stops at the marker, so the model never
+produces that newline itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tuneforge.data.formats import BadRow, Conversation
+from tuneforge.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+# Our own Jinja chat templates, for models whose tokenizer has none. Each one renders a prefix of a
+# conversation as a prefix of its text, which the span search relies on.
+_SYSTEM_FIRST = r"{%- set rest = messages[1:] if messages[0]['role'] == 'system' else messages -%}"
+
+TEMPLATES: dict[str, str] = {
+    "default": _SYSTEM_FIRST
+    + (
+        r"{%- if messages[0]['role'] == 'system' -%}"
+        r"{{ 'System: ' + messages[0]['content'] + '\n' }}{%- endif -%}"
+        r"{%- if tools -%}{{ 'Tools: ' + (tools | tojson) + '\n' }}{%- endif -%}"
+        r"{%- for m in rest -%}"
+        r"{%- if m['role'] == 'user' -%}{{ 'Human: ' + m['content'] + '\n' }}"
+        r"{%- elif m['role'] == 'tool' -%}{{ 'Observation: ' + m['content'] + '\n' }}"
+        r"{%- else -%}{{ 'Assistant: ' + m['content'] + (eos_token or '') + '\n' }}{%- endif -%}"
+        r"{%- endfor -%}"
+        r"{%- if add_generation_prompt -%}{{ 'Assistant: ' }}{%- endif -%}"
+    ),
+    "empty": (
+        r"{%- for m in messages -%}"
+        r"{%- if m['role'] == 'assistant' -%}{{ m['content'] + (eos_token or '') }}"
+        r"{%- else -%}{{ m['content'] }}{%- endif -%}"
+        r"{%- endfor -%}"
+    ),
+    "chatml": _SYSTEM_FIRST
+    + (
+        r"{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
+        r"{%- if tools -%}{%- set system = (system + '\n\n' if system else '') + '# Tools\n'"
+        r" + (tools | tojson) -%}{%- endif -%}"
+        r"{%- if system -%}{{ '<|im_start|>system\n' + system + '<|im_end|>\n' }}{%- endif -%}"
+        r"{%- for m in rest -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        r"{%- endfor -%}"
+        r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+    ),
+    "llama3": _SYSTEM_FIRST
+    + (
+        r"{{- bos_token or '' -}}"
+        r"{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
+        r"{%- if tools -%}{%- set system = (system + '\n\n' if system else '')"
+        r" + 'You can call these tools:\n'"
+        r" + (tools | tojson) -%}{%- endif -%}"
+        r"{%- if system -%}{{ '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' }}"
+        r"{%- endif -%}"
+        r"{%- for m in rest -%}{%- set role = 'ipython' if m['role'] == 'tool' else m['role'] -%}"
+        r"{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+        r"{%- endfor -%}"
+        r"{%- if add_generation_prompt -%}"
+        r"{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"
+    ),
+    "alpaca": _SYSTEM_FIRST
+    + (
+        r"{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else 'Below is an "
+        r"instruction that describes a task. Write a response that appropriately completes the request.' -%}"
+        r"{{ system + '\n\n' }}"
+        r"{%- if tools -%}{{ '### Tools:\n' + (tools | tojson) + '\n\n' }}{%- endif -%}"
+        r"{%- for m in rest -%}"
+        r"{%- if m['role'] == 'user' -%}{{ '### Instruction:\n' + m['content'] + '\n\n' }}"
+        r"{%- elif m['role'] == 'tool' -%}{{ '### Observation:\n' + m['content'] + '\n\n' }}"
+        r"{%- else -%}{{ '### Response:\n' + m['content'] + (eos_token or '') + '\n\n' }}{%- endif -%}"
+        r"{%- endfor -%}"
+        r"{%- if add_generation_prompt -%}{{ '### Response:\n' }}{%- endif -%}"
+    ),
+}
+# Names that only say "the model's own format" (LlamaFactory template names of model families): with a
+# tokenizer that has a chat_template we use that template.
+FAMILY_TEMPLATES = frozenset(
+    {
+        "baichuan2",
+        "bailing",
+        "chatglm3",
+        "chatml",
+        "chatml_de",
+        "cohere",
+        "dbrx",
+        "deepseek",
+        "deepseek3",
+        "deepseekcoder",
+        "deepseekr1",
+        "exaone",
+        "falcon",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "glm4",
+        "gpt_oss",
+        "granite3",
+        "hunyuan",
+        "intern2",
+        "intern3",
+        "llama2",
+        "llama3",
+        "llama4",
+        "mistral",
+        "ministral",
+        "olmo",
+        "openchat",
+        "phi",
+        "phi4",
+        "phi_small",
+        "qwen",
+        "qwen2",
+        "qwen3",
+        "qwen3_nothink",
+        "seed_coder",
+        "smollm",
+        "smollm2",
+        "solar",
+        "starchat",
+        "telechat",
+        "yi",
+        "zephyr",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    name: str  # "tokenizer" for the tokenizer's own, else one of TEMPLATES
+    source: str | None  # Jinja text of ours; None = the tokenizer's own
+
+    def text(self, tokenizer: Any) -> str:
+        """The Jinja text, for the cache key."""
+        if self.source is not None:
+            return self.source
+        own = tokenizer.chat_template
+        return own if isinstance(own, str) else json.dumps(own, sort_keys=True)
+
+
+def resolve_template(name: str | None, tokenizer: Any) -> ChatTemplate:
+    """The chat template for `template: name` (None: the tokenizer's own)."""
+    has_own = bool(getattr(tokenizer, "chat_template", None))
+    choices = ", ".join(TEMPLATES)
+    if name is None:
+        if not has_own:
+            raise DataError(
+                f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat_template; "
+                f"set template to one of {choices}"
+            )
+        return ChatTemplate("tokenizer", None)
+    if name in FAMILY_TEMPLATES and has_own:
+        logger.info("template '%s': using the tokenizer's own chat_template", name)
+        return ChatTemplate("tokenizer", None)
+    if name in TEMPLATES:
+        return ChatTemplate(name, TEMPLATES[name])
+    if name in FAMILY_TEMPLATES:
+        raise DataError(
+            f"template '{name}' names a model family, but the tokenizer has no chat_template of its "
+            f"own; use a tokenizer that has one, or set template to one of {choices}"
+        )
+    raise DataError(
+        f"unknown template '{name}'; choose one of {choices} (or a model family name such as "
+        f"qwen, llama3 or mistral when the tokenizer has its own chat_template), or leave it unset"
+    )
+
+
+def parse_tools(tools: str | None) -> list[dict[str, Any]] | None:
+    """A conversation's tools JSON as `apply_chat_template` takes it: [{type: function, function: {...}}]."""
+    if not tools:
+        return None
+    try:
+        value = json.loads(tools)
+    except json.JSONDecodeError as e:
+        raise BadRow(f"tools is not valid JSON ({e})") from None
+    value = [value] if isinstance(value, dict) else value
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise BadRow("tools must be a JSON list of function descriptions")
+    return [t if "function" in t else {"type": "function", "function": t} for t in value] or None
+
+
+def _render(
+    tokenizer: Any, template: ChatTemplate, messages: list[dict], tools: list | None, gen: bool
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=template.source, tokenize=False, add_generation_prompt=gen
+        )
+    except Exception as e:  # templates raise for conversations they refuse (e.g. raise_exception)
+        raise BadRow(f"the chat template cannot render this conversation: {e}") from None
+
+
+def render(tokenizer: Any, template: ChatTemplate, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
+    """The text of the whole conversation and the character span of each assistant turn."""
+    messages = conv.chat_messages()
+    tools = parse_tools(conv.tools)
+    full = _render(tokenizer, template, messages, tools, False)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, template, messages[:i], tools, True)
+        through = _render(tokenizer, template, messages[: i + 1], tools, False)
+        start, end = _locate(full, before, through, message["content"], cursor, i)
+        while end > start and full[end - 1].isspace():  # whitespace after the end-of-turn marker
+            end -= 1
+        spans.append((start, end))
+        cursor = end
+    return full, spans
+
+
+def _locate(full: str, before: str, through: str, content: str, cursor: int, index: int) -> tuple[int, int]:
+    if full.startswith(through) and through.startswith(before) and len(before) >= cursor:
+        return len(before), len(through)
+    # The template renders earlier turns differently from the last one (e.g. it drops reasoning from the
+    # history): find the content itself, then the end-of-turn text the template writes after it.
+    at = full.find(content, cursor) if content else -1
+    if at < 0:
+        raise BadRow(
+            f"the chat template does not show assistant message {index} verbatim, so its tokens "
+            f"cannot be found; set template to one of {', '.join(TEMPLATES)}"
+        )
+    end = at + len(content)
+    marker = through[through.rfind(content) + len(content) :].rstrip()
+    if marker and full.startswith(marker, end):
+        end += len(marker)
+    return at, end
+
+
+def token_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character spans -> [first, last) token indices of the tokens that overlap each span."""
+    starts = [a for a, _ in offsets]
+    ends = [b for _, b in offsets]
+    out = []
+    for a, b in spans:
+        first = bisect.bisect_right(ends, a)  # first token that ends after the span starts
+        last = bisect.bisect_left(starts, b, lo=first)  # first token that starts at or after its end
+        out.append((first, max(first, last)))
+    return out
+
+
+def tokenize_rendered(
+    tokenizer: Any, texts: list[str]
+) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Token ids (as `apply_chat_template(tokenize=True)` makes them) and character offsets."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("the sft encoder needs a fast tokenizer (tokenizer.json) for its offset mapping")
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], enc["offset_mapping"]
