@@ -27,11 +27,16 @@ def _setup_logging(verbose: bool) -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock", "fsspec", "datasets", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # bitsandbytes warns at import about an optional kernels package even when nothing is quantized
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
     transformers.logging.set_verbosity_warning()
     transformers.logging.disable_progress_bar()  # our own bar is the one that matters
+    import datasets
+
+    datasets.disable_progress_bars()  # the data log line reports the counts
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

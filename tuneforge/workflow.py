@@ -54,7 +54,7 @@ def prepare_data(cfg: RunConfig, tokenizer=None):
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train cfg.method.stage end to end; returns the results plus where the outputs are."""
     from tuneforge.data.collate import Collator
-    from tuneforge.model import describe_trainable, load_model
+    from tuneforge.model import load_model
     from tuneforge.train import Trainer
 
     stage = STAGES[cfg.method.stage]
@@ -62,8 +62,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     logger.info("stage %s: encoder %s, finetuning %s", cfg.method.stage, stage.encoder, cfg.method.finetuning_type)
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
-    model = load_model(cfg)
-    logger.info(describe_trainable(model))
+    model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
     trainer = Trainer(cfg, model, tokenizer, splits.train, splits.eval,
                       Collator(tokenizer.pad_token_id), objective=stage.objective)
     results = trainer.train()

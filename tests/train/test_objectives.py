@@ -1,0 +1,135 @@
+"""The lm objective against hand-computed log-softmax sums, on every head path and chunk size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from train_helpers import collate, load_model, random_dataset
+
+from tuneforge.train.objectives import Objective, ObjectiveOutput, lm_objective
+from tuneforge.train.objectives.lm import LMObjective, can_fuse_head
+
+
+def manual_loss_sum(model, batch) -> tuple[float, int]:
+    """-sum log p(label[t+1] | tokens <= t) over supervised targets, one row at a time without padding."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(batch["input_ids"].shape[0]):
+            n = int(batch["attention_mask"][b].sum())
+            logits = model(input_ids=batch["input_ids"][b : b + 1, :n]).logits[0]
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            for t in range(n - 1):
+                target = int(batch["labels"][b, t + 1])
+                if target != -100:
+                    total -= float(logp[t, target])
+                    count += 1
+    return total, count
+
+
+@pytest.fixture
+def batch():
+    # lengths 6 and 4, first 2 labels masked: targets at positions 2..5 and 2..3 -> 4 + 2 = 6 units
+    return collate([random_dataset([6, 4], seed=3)[i] for i in range(2)])
+
+
+def test_lm_objective_satisfies_the_protocol():
+    assert isinstance(lm_objective, Objective)
+    assert lm_objective.reports_perplexity and lm_objective.name == "lm"
+
+
+@pytest.mark.parametrize("head,chunk", [("auto", None), ("fused", 2), ("forward", None), ("forward", 4)])
+def test_loss_sum_and_count_match_manual_log_softmax(tiny_model_dir, batch, head, chunk):
+    model = load_model(tiny_model_dir)
+    expected, expected_count = manual_loss_sum(model, batch)
+    objective = LMObjective(head=head, chunk_tokens=chunk)
+    assert objective.count(batch) == expected_count == 6
+    out = objective(model, batch)
+    assert isinstance(out, ObjectiveOutput)
+    assert out.loss_sum.dtype == torch.float32
+    assert float(out.loss_sum.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_gradients_match_transformers_mean_loss(tiny_model_dir, batch):
+    """loss_sum / count has the gradient of the model's own labels= loss, on both paths and in chunks."""
+    grads = {}
+    for key in ("reference", "fused", "forward"):
+        model = load_model(tiny_model_dir)
+        if key == "reference":
+            loss = model(**batch).loss
+        else:
+            objective = LMObjective(head=key, chunk_tokens=2)
+            loss = objective(model, batch).loss_sum / objective.count(batch)
+        loss.backward()
+        grads[key] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for key in ("fused", "forward"):
+        for name, grad in grads["reference"].items():
+            torch.testing.assert_close(grads[key][name], grad, rtol=1e-5, atol=1e-5, msg=f"{key} {name}")
+
+
+def test_lora_model_takes_the_fused_path_and_matches(tiny_model_dir, batch):
+    model = load_model(tiny_model_dir, lora={})
+    assert can_fuse_head(model)
+    with torch.no_grad():
+        fused = LMObjective(head="fused")(model, batch).loss_sum
+        forward = LMObjective(head="forward")(model, batch).loss_sum
+    assert float(fused) == pytest.approx(float(forward), rel=1e-6)
+
+
+def test_packed_row_loss_equals_the_separate_rows(tiny_model_dir):
+    """A packed row (position ids restart at 0) never predicts the next sample's first token."""
+    model = load_model(tiny_model_dir)
+    a, b = [11, 12, 13, 14], [21, 22, 23]
+    packed = {
+        "input_ids": torch.tensor([a + b]),
+        "labels": torch.tensor([a + b]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
+    }
+    assert lm_objective.count(packed) == 3 + 2
+    separate = sum(
+        float(
+            lm_objective(
+                model,
+                {
+                    "input_ids": torch.tensor([row]),
+                    "labels": torch.tensor([row]),
+                    "attention_mask": torch.ones(1, len(row), dtype=torch.long),
+                },
+            ).loss_sum
+        )
+        for row in (a, b)
+    )
+    with torch.no_grad():
+        assert float(lm_objective(model, packed).loss_sum) == pytest.approx(separate, rel=1e-5)
+
+
+def test_soft_capped_head_uses_the_model_forward():
+    """Gemma 2 soft-caps its logits: the objective must use the model's forward to include that."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=2.0,
+    )
+    model = Gemma2ForCausalLM(config)
+    assert not can_fuse_head(model)
+    ids = torch.randint(0, 64, (1, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    expected, _ = manual_loss_sum(model, batch)
+    assert float(LMObjective()(model, batch).loss_sum) == pytest.approx(expected, rel=1e-5)
+
+
+def test_batch_without_targets_gives_zero_loss_that_backpropagates(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}
+    assert lm_objective.count(batch) == 0
+    out = lm_objective(model, batch)
+    out.loss_sum.backward()
+    assert float(out.loss_sum) == 0.0

@@ -1,0 +1,235 @@
+"""What a run tells the user: log lines or a progress bar, trainer_log.jsonl, loss plots, TensorBoard / W&B.
+
+Everything here runs on rank 0 only (the trainer does not build these objects elsewhere).
+trainer_log.jsonl has LlamaFactory's fields, so LlamaBoard-style tools read it unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tuneforge.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TRAINER_LOG = "trainer_log.jsonl"
+LOSS_PLOT = "training_loss.png"
+EVAL_LOSS_PLOT = "training_eval_loss.png"
+
+
+def format_time(seconds: float) -> str:
+    """H:MM:SS, as LlamaFactory writes elapsed_time / remaining_time."""
+    return str(timedelta(seconds=int(seconds)))
+
+
+class TrainerLog:
+    """Appends one JSON line per logging step and per evaluation to output_dir/trainer_log.jsonl."""
+
+    def __init__(self, output_dir: str | Path, total_steps: int) -> None:
+        self.path = Path(output_dir) / TRAINER_LOG
+        self.total_steps = total_steps
+
+    def start(self, resumed_step: int | None) -> None:
+        """A fresh run drops an old log; a resumed run keeps the lines up to its checkpoint's step."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed_step is None or not self.path.exists():
+            self.path.unlink(missing_ok=True)
+            return
+        kept = [
+            line
+            for line in self.path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("current_steps", 0) <= resumed_step
+        ]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, entry: dict[str, Any], session: Session, total_tokens: int) -> dict[str, Any]:
+        """One line from a log_history entry; remaining time extrapolates this session's pace."""
+        elapsed = session.elapsed()
+        remaining = (self.total_steps - step) * elapsed / session.steps if session.steps else 0.0
+        line = {
+            "current_steps": step,
+            "total_steps": self.total_steps,
+            "loss": entry.get("loss"),
+            "eval_loss": entry.get("eval_loss"),
+            "lr": entry.get("learning_rate"),
+            "epoch": entry.get("epoch"),
+            "percentage": round(step / self.total_steps * 100, 2) if self.total_steps else 100,
+            "elapsed_time": format_time(elapsed),
+            "remaining_time": format_time(remaining),
+            "throughput": round(session.tokens / elapsed, 2) if elapsed > 0 else None,
+            "total_tokens": total_tokens,
+            "grad_norm": entry.get("grad_norm"),
+        }
+        line = {k: v for k, v in line.items() if v is not None}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+
+class Progress:
+    """A tqdm bar when stderr is a terminal (and disable_tqdm is off); otherwise an INFO line per log."""
+
+    def __init__(self, total_steps: int, disable_tqdm: bool) -> None:
+        self.total_steps = total_steps
+        self.bar = None
+        self._redirect = None
+        if not disable_tqdm and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+            # log records (evaluations, saves) print above the bar instead of through it
+            self._redirect = logging_redirect_tqdm(loggers=[logging.root, logging.getLogger("tuneforge")])
+            self._redirect.__enter__()
+
+    def start(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def step(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def log(self, line: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{line.get('loss', float('nan')):.4f}",
+                lr=f"{line.get('lr', 0):.2e}",
+                tok_s=f"{line.get('throughput', 0):.0f}",
+                refresh=False,
+            )
+            return
+        grad = f" | grad_norm {line['grad_norm']:.3f}" if "grad_norm" in line else ""
+        logger.info(
+            "step %d/%d (%.0f%%) | epoch %.2f | loss %.4f | lr %.3e%s | %.0f tokens/s | elapsed %s | eta %s",
+            line["current_steps"],
+            self.total_steps,
+            line["percentage"],
+            line.get("epoch", 0.0),
+            line.get("loss", float("nan")),
+            line.get("lr", 0.0),
+            grad,
+            line.get("throughput", 0.0),
+            line["elapsed_time"],
+            line["remaining_time"],
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+
+
+def requested_reporters(report_to: list[str], source: str) -> list[str]:
+    """The reporters to build; a named one that is not installed is a ConfigError (before training)."""
+    packages = {"tensorboard": "tensorboard", "wandb": "wandb"}
+    wanted = [r for r in report_to if r not in ("none", "all")]
+    if "all" in report_to:  # "all" means every installed integration, as in Hugging Face
+        wanted += [r for r, pkg in packages.items() if importlib.util.find_spec(pkg) is not None]
+    for name in wanted:
+        if importlib.util.find_spec(packages[name]) is None:
+            raise ConfigError(
+                f"{source}: report_to {name} needs the {packages[name]} package: "
+                f"pip install {packages[name]} (or remove {name} from report_to)"
+            )
+    return list(dict.fromkeys(wanted))
+
+
+class Reporters:
+    """TensorBoard (output_dir/runs) and Weights & Biases, fed the same numbers as the log."""
+
+    def __init__(self, names: list[str], output_dir: str | Path, config: dict[str, Any]) -> None:
+        self.tensorboard = None
+        self.wandb = None
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+        if "wandb" in names:
+            import wandb
+
+            self.wandb = wandb.run or wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "tuneforge"), config=config, dir=str(output_dir)
+            )
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and k not in ("step",)}
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                prefix = "eval/" if key.startswith("eval_") or key == "perplexity" else "train/"
+                self.tensorboard.add_scalar(prefix + key.removeprefix("eval_"), value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def smooth(values: list[float]) -> list[float]:
+    """Exponential moving average; heavier smoothing for longer curves (as LlamaFactory's plots)."""
+    if not values:
+        return []
+    weight = 1.8 * (1 / (1 + math.exp(-0.05 * len(values))) - 0.5)
+    out, last = [], values[0]
+    for v in values:
+        last = last * weight + (1 - weight) * v
+        out.append(last)
+    return out
+
+
+def plot_losses(log_history: list[dict[str, Any]], output_dir: str | Path) -> list[Path]:
+    """training_loss.png (raw + smoothed) and, when there were evaluations, training_eval_loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, filename in (("loss", LOSS_PLOT), ("eval_loss", EVAL_LOSS_PLOT)):
+        points = [(e["step"], e[key]) for e in log_history if key in e]
+        if not points:
+            continue
+        steps, values = zip(*points, strict=True)
+        fig, ax = plt.subplots()
+        ax.plot(steps, values, color="#1f77b4", alpha=0.4, label="original")
+        ax.plot(steps, smooth(list(values)), color="#1f77b4", label="smoothed")
+        ax.set_title(f"{key} of {Path(output_dir).name}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.legend()
+        path = Path(output_dir) / filename
+        fig.savefig(path, format="png", dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+@dataclass
+class Session:
+    """This process's part of the run (a resumed run counts from its own start): for speeds and the ETA."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+    samples: int = 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,286 @@
+"""Checkpoints that a killed run can resume from exactly, and final outputs that are never half-written.
+
+A checkpoint-N folder holds the model (adapter or full, via save_pretrained), the tokenizer, optimizer.pt,
+scheduler.pt (scaler.pt with fp16), rng_state.pt and trainer_state.json. It is written into a temporary
+sibling folder and renamed into place, so a checkpoint-N folder, once it exists, is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from tuneforge.config import RunConfig, checkpoints_in
+from tuneforge.errors import TrainingError
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+SCALER = "scaler.pt"
+RNG_STATE = "rng_state.pt"
+TMP_PREFIX = ".tmp-"
+
+
+@dataclass
+class TrainerState:
+    """Where training stands; enough (with the files beside it) to continue as if never stopped."""
+
+    global_step: int = 0
+    total_steps: int = 0
+    epoch: int = 0  # the epoch in progress
+    batches_in_epoch: int = 0  # micro-batches of that epoch already consumed
+    epoch_progress: float = 0.0  # epoch + batches_in_epoch / micro-batches per epoch, for people
+    total_tokens: int = 0  # non-padding tokens seen, all ranks
+    loss_sum: float = 0.0  # over the whole run, for train_loss
+    loss_units: int = 0
+    best_eval_loss: float | None = None
+    evals_without_improvement: int = 0
+    last_eval_step: int | None = None
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        write_json(path, asdict(self))
+
+    @classmethod
+    def load(cls, path: Path) -> TrainerState:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON to a temporary file and rename it over path."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_text(json.dumps(data, indent=2, default=float) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces `final`, on error it is removed."""
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+    if final.exists():  # a rename cannot land on a non-empty folder: move the old one aside first
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_temporaries(output_dir: Path) -> None:
+    """Temporary folders a killed run left behind (never a finished checkpoint)."""
+    if output_dir.is_dir():
+        for path in output_dir.iterdir():
+            if path.name.startswith(TMP_PREFIX):
+                logger.info("removing %s, left by an interrupted save", path)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy, torch CPU and CUDA generator states, in types torch.load(weights_only=True) reads."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (name, keys.tolist(), pos, has_gauss, cached),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    output_dir: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler,
+    state: TrainerState,
+) -> Path:
+    """Write output_dir/checkpoint-{global_step} atomically and return it."""
+    final = output_dir / f"checkpoint-{state.global_step}"
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        torch.save(scheduler.state_dict(), tmp / SCHEDULER)
+        if scaler.is_enabled():
+            torch.save(scaler.state_dict(), tmp / SCALER)
+        torch.save(capture_rng(), tmp / RNG_STATE)
+        state.save(tmp / TRAINER_STATE)
+    logger.info("saved %s", final)
+    return final
+
+
+def rotate_checkpoints(output_dir: Path, save_total_limit: int | None) -> None:
+    """Delete the oldest checkpoint-N folders beyond save_total_limit."""
+    if not save_total_limit or save_total_limit < 1:
+        return
+    for old in checkpoints_in(output_dir)[:-save_total_limit]:
+        logger.info("deleting %s (save_total_limit %d)", old, save_total_limit)
+        shutil.rmtree(old)
+
+
+def resume_folder(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from: the latest in output_dir (true), a given folder (a path), or None."""
+    resume = cfg.train.resume_from_checkpoint
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        found = checkpoints_in(cfg.train.output_dir)
+        if not found:
+            raise TrainingError(
+                f"resume_from_checkpoint: true, but {cfg.train.output_dir} holds no checkpoint-N"
+            )
+        return found[-1]
+    folder = Path(resume)
+    if not (folder / TRAINER_STATE).is_file():
+        raise TrainingError(
+            f"resume_from_checkpoint: {folder} is not a tuneforge checkpoint (no {TRAINER_STATE}); "
+            f"point it at a checkpoint-N folder written by tuneforge"
+        )
+    return folder
+
+
+def _mismatch(folder: Path, missing: list[str], unexpected: list[str], shapes: list[str]) -> TrainingError:
+    parts = [
+        f"{name}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+        for name, keys in (("missing", missing), ("unexpected", unexpected), ("shape differs", shapes))
+        if keys
+    ]
+    return TrainingError(
+        f"checkpoint {folder} does not match the model ({'; '.join(parts)}). Resume with the same "
+        f"model_name_or_path, finetuning_type and adapter settings it was saved with, or start afresh "
+        f"(overwrite_output_dir: true, without resume_from_checkpoint)"
+    )
+
+
+def _check_keys(
+    folder: Path, saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tied_ok: bool
+) -> None:
+    saved_ptrs = {expected[k].data_ptr() for k in saved if k in expected}
+    missing = [
+        k for k in expected if k not in saved and not (tied_ok and expected[k].data_ptr() in saved_ptrs)
+    ]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [k for k in saved if k in expected and tuple(saved[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or shapes:
+        raise _mismatch(folder, missing, unexpected, shapes)
+
+
+def _read_safetensors(folder: Path, stem: str) -> dict[str, torch.Tensor]:
+    single = folder / f"{stem}.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = folder / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(load_file(folder / shard))
+        return out
+    raise TrainingError(
+        f"checkpoint {folder} has no {stem}.safetensors; it is incomplete or not a checkpoint"
+    )
+
+
+def load_trainable_weights(folder: Path, model: torch.nn.Module) -> None:
+    """Put the checkpoint's weights into the model: the adapter for peft, the full state dict otherwise."""
+    from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
+        adapter = model.active_adapter
+        sub = folder if adapter == "default" else folder / adapter
+        saved = _read_safetensors(sub, "adapter_model")
+        _check_keys(folder, saved, get_peft_model_state_dict(model, adapter_name=adapter), tied_ok=False)
+        set_peft_model_state_dict(model, saved, adapter_name=adapter)
+        return
+    saved = _read_safetensors(folder, "model")
+    _check_keys(folder, saved, model.state_dict(), tied_ok=True)
+    model.load_state_dict(saved, strict=False)  # tied weights share storage: the saved copy fills both
+
+
+def load_checkpoint(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler,
+) -> TrainerState:
+    """Restore weights, optimizer, scheduler, scaler and RNG from folder; return its TrainerState."""
+    load_trainable_weights(folder, model)
+    device = next(model.parameters()).device
+    try:
+        optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location=device, weights_only=True))
+    except (ValueError, KeyError) as e:
+        raise TrainingError(
+            f"checkpoint {folder}: {OPTIMIZER} does not fit this model's optimizer ({e}); "
+            f"resume with the settings it was saved with"
+        ) from None
+    scheduler.load_state_dict(torch.load(folder / SCHEDULER, weights_only=True))
+    if scaler.is_enabled() and (folder / SCALER).is_file():
+        scaler.load_state_dict(torch.load(folder / SCALER, weights_only=True))
+    restore_rng(torch.load(folder / RNG_STATE, weights_only=True))
+    return TrainerState.load(folder / TRAINER_STATE)
+
+
+def save_final_model(model: torch.nn.Module, tokenizer: Any, output_dir: Path) -> None:
+    """save_pretrained into a temporary folder, then move file by file into output_dir (each a rename)."""
+    tmp = output_dir / f"{TMP_PREFIX}final-model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        dest = output_dir / path.relative_to(tmp)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+    shutil.rmtree(tmp)
+    logger.info("saved the %s to %s", "adapter" if hasattr(model, "peft_config") else "model", output_dir)
+
+
+def is_eval_metric(key: str) -> bool:
+    return key.startswith("eval_") or key == "perplexity"
+
+
+def write_results(output_dir: Path, results: dict[str, Any], state: TrainerState) -> None:
+    """train_results.json, eval_results.json (when evaluated), all_results.json and trainer_state.json."""
+    write_json(output_dir / "train_results.json", {k: v for k, v in results.items() if not is_eval_metric(k)})
+    if "eval_loss" in results:
+        evaluated = {k: v for k, v in results.items() if is_eval_metric(k)}
+        write_json(output_dir / "eval_results.json", {"epoch": results["epoch"], **evaluated})
+    write_json(output_dir / "all_results.json", results)
+    state.save(output_dir / TRAINER_STATE)

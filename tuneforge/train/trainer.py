@@ -1,0 +1,429 @@
+"""The training loop: one optimizer step reads top to bottom as batch -> forward -> loss -> backward -> clip
+-> step -> log. The stage-specific part is the Objective; everything else is the same for every stage.
+
+Gradient accumulation: the micro-batches of one optimizer step are collated first, their units (supervised
+tokens for lm) counted and summed over all ranks, and each micro-batch back-propagates
+loss_sum / total_units. The step's gradient is therefore the gradient of the whole batch's mean loss,
+however it is split into micro-batches or ranks.
+
+Data order is a pure function of (seed, epoch), so resuming skips the consumed micro-batches of the current
+epoch without running them and continues with exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import set_seed
+
+from tuneforge.config import RunConfig
+from tuneforge.errors import DataError, TrainingError
+from tuneforge.train import callbacks, checkpoint
+from tuneforge.train.objectives import Objective, lm_objective
+from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
+
+logger = logging.getLogger(__name__)
+
+Collator = Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sum over ranks (a no-op in a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def epoch_micro_batches(
+    num_rows: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
+    """Row indices of each micro-batch of one epoch, shuffled by seed + epoch; the last may be short."""
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    shard = order[rank::world_size]
+    return [shard[i : i + batch_size] for i in range(0, len(shard), batch_size)]
+
+
+def count_tokens(rows: list[Mapping[str, Any]]) -> int:
+    """Non-padding tokens of uncollated rows: every *input_ids column (its *attention_mask sum when present).
+
+    Counted before collation, so padding and packing (rows without attention_mask) cannot inflate it."""
+    total = 0
+    for row in rows:
+        for key, ids in row.items():
+            if key.endswith("input_ids"):
+                mask = row.get(key[: -len("input_ids")] + "attention_mask")
+                total += int(sum(mask)) if mask is not None else len(ids)
+    return total
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    units: int  # all ranks
+    tokens: int  # all ranks
+    samples: int  # this rank
+    grad_norm: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Window:
+    """Sums since the last log line (the logged loss is their token-weighted mean)."""
+
+    loss_sum: float = 0.0
+    units: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, result: StepResult) -> None:
+        self.loss_sum += result.loss_sum
+        self.units += result.units
+        for key, value in result.metrics.items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        collator: Collator | None = None,
+        objective: Objective = lm_objective,
+    ) -> None:
+        if collator is None:
+            raise TypeError(
+                "Trainer needs a collator (rows -> dict of tensors), e.g. tuneforge.data's Collator"
+            )
+        t = cfg.train
+        self.cfg, self.model, self.tokenizer, self.objective = cfg, model, tokenizer, objective
+        self.train_dataset, self.eval_dataset, self.collator = train_dataset, eval_dataset, collator
+        self.output_dir = Path(t.output_dir or ".")
+        self.rank, self.world_size = rank_and_world_size()
+        self.is_main = self.rank == 0
+        self.device = next(model.parameters()).device
+        self.reporter_names = callbacks.requested_reporters(t.report_to, cfg.source)
+        if t.eval_strategy != "no" and eval_dataset is None:
+            raise DataError(
+                f"{cfg.source}: eval_strategy {t.eval_strategy} needs evaluation data, but none was "
+                f"given; set val_size or eval_dataset"
+            )
+        num_rows = len(train_dataset) if train_dataset is not None else 0
+        self.micro_batches_per_epoch = math.ceil(
+            len(range(self.rank, num_rows, self.world_size)) / t.per_device_train_batch_size
+        )
+        steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps)
+        self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.fp16 and self.device.type == "cuda")
+        if t.fp16 and self.device.type != "cuda":
+            logger.warning("fp16 on %s runs without loss scaling; bf16 is the safer choice", self.device.type)
+        self.state = checkpoint.TrainerState(total_steps=self.total_steps)
+        self.eval_every = t.eval_steps or t.logging_steps
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Train to total_steps (or early stop), write the outputs, and return the run's metrics."""
+        t = self.cfg.train
+        if self.micro_batches_per_epoch == 0:
+            raise DataError(f"{self.cfg.source}: the training dataset is empty; check dataset / max_samples")
+        resumed_from = self._start()
+        self.model.train()
+        window, stop_reason = Window(), None
+        while self.state.global_step < self.total_steps and stop_reason is None:
+            for group in self._accumulation_groups():
+                result = self._optimizer_step(group)
+                epoch_ended = self._advance(len(group), result)
+                window.add(result)
+                step = self.state.global_step
+                if step % t.logging_steps == 0:
+                    self._log_train(window, result.grad_norm)
+                    window = Window()
+                every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
+                if every_n or (t.eval_strategy == "epoch" and epoch_ended):
+                    stop_reason = self._evaluate_and_track()
+                if t.save_strategy == "steps" and step % t.save_steps == 0:
+                    self._save_checkpoint()
+                self.progress.step(step)
+                if stop_reason is not None or step >= self.total_steps:
+                    break
+        if stop_reason is not None:
+            logger.info(
+                "%s; stopping at step %d of %d", stop_reason, self.state.global_step, self.total_steps
+            )
+        if self.eval_dataset is not None and self.state.last_eval_step != self.state.global_step:
+            self._evaluate_and_track()
+        results = self._results()
+        self._finish(results, resumed_from)
+        return results
+
+    def _optimizer_step(self, group: list[list[int]]) -> StepResult:
+        """Forward + backward each micro-batch, normalized by the step's total units; clip; step."""
+        t = self.cfg.train
+        rows = [[self.train_dataset[i] for i in indices] for indices in group]
+        batches = [self.collator(micro_batch_rows) for micro_batch_rows in rows]
+        units, tokens = all_reduce_sum(
+            [sum(self.objective.count(b) for b in batches), sum(count_tokens(r) for r in rows)], self.device
+        )
+        # DDP averages gradients over ranks; multiplying by world_size turns that average into the global sum
+        scale = self.world_size / max(units, 1)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        metrics: dict[str, torch.Tensor | float] = {}
+        for batch in batches:
+            with self._autocast():
+                out = self.objective(self.model, self._to_device(batch))
+            self.scaler.scale(out.loss_sum * scale).backward()
+            loss_sum += out.loss_sum.detach().float()
+            for key, value in out.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + (
+                    value.detach().float() if torch.is_tensor(value) else value
+                )
+        step = self.state.global_step + 1
+        loss_value = float(loss_sum)
+        if not math.isfinite(loss_value):
+            raise TrainingError(
+                f"step {step}: the loss is {loss_value}. Lower learning_rate (now {t.learning_rate:g})"
+                f"{', or use bf16 instead of fp16' if t.fp16 else ''}, and check the data of this step"
+            )
+        grad_norm = self._clip_gradients(step)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        samples = sum(len(r) for r in rows)
+        self.session.steps, self.session.tokens = self.session.steps + 1, self.session.tokens + int(tokens)
+        self.session.samples += samples
+        metric_values = {k: float(v) for k, v in metrics.items()}
+        return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, metric_values)
+
+    def _clip_gradients(self, step: int) -> float:
+        """Clip to max_grad_norm (0: no clipping) and return the norm before clipping."""
+        t = self.cfg.train
+        self.scaler.unscale_(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        if not math.isfinite(norm) and not self.scaler.is_enabled():  # with fp16 the scaler skips the step
+            raise TrainingError(
+                f"step {step}: the gradient norm is {norm}. Lower learning_rate (now {t.learning_rate:g}) "
+                f"or set max_grad_norm (now {t.max_grad_norm:g})"
+            )
+        return norm
+
+    def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+        }
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.train.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.cfg.train.fp16:
+            return torch.autocast(self.device.type, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    def _accumulation_groups(self) -> Iterator[list[list[int]]]:
+        """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time."""
+        t = self.cfg.train
+        size, epoch = t.per_device_train_batch_size, self.state.epoch
+        batches = epoch_micro_batches(
+            len(self.train_dataset), size, t.seed, epoch, self.rank, self.world_size
+        )
+        remaining = batches[self.state.batches_in_epoch :]
+        ga = t.gradient_accumulation_steps
+        for start in range(0, len(remaining), ga):
+            yield remaining[start : start + ga]
+
+    def _advance(self, micro_batches: int, result: StepResult) -> bool:
+        """Count the step into the state; True when it finished an epoch."""
+        s = self.state
+        s.global_step += 1
+        s.batches_in_epoch += micro_batches
+        s.total_tokens += result.tokens
+        s.loss_sum += result.loss_sum
+        s.loss_units += result.units
+        ended = s.batches_in_epoch >= self.micro_batches_per_epoch
+        if ended:
+            s.epoch, s.batches_in_epoch = s.epoch + 1, 0
+        s.epoch_progress = s.epoch + s.batches_in_epoch / self.micro_batches_per_epoch
+        return ended
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """eval_loss (the mean over all eval units, e.g. tokens), perplexity, and the objective's metrics."""
+        if self.eval_dataset is None or len(self.eval_dataset) == 0:
+            raise DataError(f"{self.cfg.source}: there is no evaluation data; set val_size or eval_dataset")
+        was_training = self.model.training
+        self.model.eval()
+        size = self.cfg.train.per_device_eval_batch_size
+        rows = list(range(self.rank, len(self.eval_dataset), self.world_size))
+        loss_sum, units, sums = 0.0, 0, {}
+        for start in range(0, len(rows), size):
+            batch = self.collator([self.eval_dataset[i] for i in rows[start : start + size]])
+            units += self.objective.count(batch)
+            with self._autocast():
+                out = self.objective(self.model, self._to_device(batch))
+            loss_sum += float(out.loss_sum)
+            for key, value in out.metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        self.model.train(was_training)
+        keys = sorted(sums)
+        loss_sum, units, *values = all_reduce_sum([loss_sum, units, *(sums[k] for k in keys)], self.device)
+        if units == 0:
+            raise DataError(
+                f"{self.cfg.source}: the evaluation data has no {self.objective.name} units "
+                f"(e.g. every label is -100); check eval_dataset / val_size"
+            )
+        metrics = {"eval_loss": loss_sum / units}
+        if self.objective.reports_perplexity:
+            metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
+        metrics.update({f"eval_{k}": v / units for k, v in zip(keys, values, strict=True)})
+        return metrics
+
+    def _evaluate_and_track(self) -> str | None:
+        """Evaluate, log, and update early stopping; return why training should stop, if it should."""
+        s, patience = self.state, self.cfg.train.early_stopping_steps
+        metrics = self.evaluate()
+        s.last_eval_step = s.global_step
+        entry = {**metrics, "epoch": round(s.epoch_progress, 4), "step": s.global_step}
+        self._record(entry)
+        logger.info(
+            "eval at step %d: %s", s.global_step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        )
+        if s.best_eval_loss is None or metrics["eval_loss"] < s.best_eval_loss:
+            s.best_eval_loss, s.evals_without_improvement = metrics["eval_loss"], 0
+        else:
+            s.evals_without_improvement += 1
+        if patience and s.evals_without_improvement >= patience:
+            return (
+                f"early stopping: eval_loss has not improved on {s.best_eval_loss:.4f} for "
+                f"{s.evals_without_improvement} evaluations (early_stopping_steps {patience})"
+            )
+        return None
+
+    # ---- logging, saving, outputs ---------------------------------------------------------------------
+    def _log_train(self, window: Window, grad_norm: float) -> None:
+        s = self.state
+        entry = {
+            "loss": window.loss_sum / max(window.units, 1),
+            "grad_norm": grad_norm,
+            "learning_rate": base_learning_rate(self.optimizer),
+            "epoch": round(s.epoch_progress, 4),
+        }
+        entry.update({k: v / max(window.units, 1) for k, v in window.metrics.items()})
+        entry["step"] = s.global_step
+        self._record(entry)
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        self.state.log_history.append(entry)
+        if not self.is_main:
+            return
+        line = self.trainer_log.write(self.state.global_step, entry, self.session, self.state.total_tokens)
+        if "loss" in entry:
+            self.progress.log(line)
+        self.reporters.log(self.state.global_step, entry)
+
+    def _save_checkpoint(self) -> None:
+        if not self.is_main:
+            return
+        parts = (self.model, self.tokenizer, self.optimizer, self.scheduler, self.scaler, self.state)
+        checkpoint.save_checkpoint(self.output_dir, *parts)
+        checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit)
+
+    def _start(self) -> Path | None:
+        """Resume (weights, optimizer, scheduler, RNG, data position) or seed a fresh run; open the logs."""
+        folder = checkpoint.resume_folder(self.cfg)
+        if folder is not None:
+            parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+            self.state = checkpoint.load_checkpoint(folder, *parts)
+            self.state.total_steps = self.total_steps
+            if self.state.batches_in_epoch >= self.micro_batches_per_epoch:  # the data shrank since the save
+                self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
+            s = self.state
+            logger.info(
+                "resumed from %s at step %d (epoch %d, micro-batch %d)",
+                folder,
+                s.global_step,
+                s.epoch,
+                s.batches_in_epoch,
+            )
+        else:
+            set_seed(self.cfg.train.seed)
+        self.progress = callbacks.Progress(self.total_steps, self.cfg.train.disable_tqdm or not self.is_main)
+        self.progress.start(self.state.global_step)
+        self.trainer_log = callbacks.TrainerLog(self.output_dir, self.total_steps)
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.remove_stale_temporaries(self.output_dir)
+            self.trainer_log.start(self.state.global_step if folder is not None else None)
+        names = self.reporter_names if self.is_main else []
+        self.reporters = callbacks.Reporters(names, self.output_dir, self.cfg.to_dict())
+        t = self.cfg.train
+        logger.info(
+            "training %d steps (%d micro-batches of %d per epoch, %d per step)",
+            self.total_steps,
+            self.micro_batches_per_epoch,
+            t.per_device_train_batch_size,
+            t.gradient_accumulation_steps,
+        )
+        self.session = callbacks.Session()
+        return folder
+
+    def _results(self) -> dict[str, Any]:
+        s, run = self.state, self.session
+        runtime = run.elapsed()
+
+        def per_second(count: float) -> float:
+            return round(count / runtime, 3) if runtime > 0 else 0.0
+
+        results: dict[str, Any] = {
+            "epoch": round(s.epoch_progress, 4),
+            "global_step": s.global_step,
+            "total_tokens": s.total_tokens,
+            "train_loss": s.loss_sum / max(s.loss_units, 1),
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": per_second(run.samples * self.world_size),
+            "train_steps_per_second": per_second(run.steps),
+            "train_tokens_per_second": per_second(run.tokens),
+        }
+        evals = [e for e in s.log_history if "eval_loss" in e]
+        if evals:
+            results.update({k: v for k, v in evals[-1].items() if k not in ("epoch", "step")})
+        return results
+
+    def _finish(self, results: dict[str, Any], resumed_from: Path | None) -> None:
+        self.progress.close()
+        self.reporters.close()
+        if not self.is_main:
+            return
+        checkpoint.save_final_model(self.model, self.tokenizer, self.output_dir)
+        checkpoint.write_results(self.output_dir, results, self.state)
+        if self.cfg.train.plot_loss:
+            callbacks.plot_losses(self.state.log_history, self.output_dir)
+        resumed = f" (resumed from {resumed_from.name})" if resumed_from else ""
+        logger.info(
+            "finished %d steps%s: train_loss %.4f; outputs in %s",
+            self.state.global_step,
+            resumed,
+            results["train_loss"],
+            self.output_dir,
+        )
