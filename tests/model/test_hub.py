@@ -15,7 +15,8 @@ def test_local_folder_resolves_to_itself(tiny_model_dir):
 
 
 @pytest.mark.parametrize("alias", sorted(BUILTIN_ALIASES) + ["SmolLM2-135M-Instruct"])
-def test_builtin_aliases_resolve_to_the_converted_folder(alias, smol_dir):
+def test_builtin_aliases_resolve_to_the_converted_folder(alias, smol_dir, monkeypatch):
+    monkeypatch.setenv("TUNEFORGE_HOME", str(smol_dir.parents[1]))  # the cache smol_dir was converted into
     assert resolve(alias) == smol_dir
     config = json.loads((smol_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and config["tie_word_embeddings"] is True
