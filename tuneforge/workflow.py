@@ -55,6 +55,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     """Train cfg.method.stage end to end; returns the results plus where the outputs are."""
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
+    from tuneforge.model.attention import supports_padding_free
     from tuneforge.train import Trainer
 
     stage = STAGES[cfg.method.stage]
@@ -63,8 +64,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
-    trainer = Trainer(cfg, model, tokenizer, splits.train, splits.eval,
-                      Collator(tokenizer.pad_token_id), objective=stage.objective)
+    padding_free = cfg.data.padding_free and supports_padding_free(model)
+    if cfg.data.padding_free and not padding_free:
+        logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
+                    type(model).__name__)
+    collator = Collator(tokenizer.pad_token_id, padding_free=padding_free)
+    trainer = Trainer(cfg, model, tokenizer, splits.train, splits.eval, collator, objective=stage.objective)
     results = trainer.train()
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
 

@@ -59,3 +59,26 @@ def test_empty_batch_and_missing_pad_id():
         Collator(pad_token_id=0)([])
     with pytest.raises(ValueError, match="pad_token_id"):
         Collator(pad_token_id=None)
+
+
+def test_padding_free_puts_the_batch_in_one_row_with_sequence_boundaries():
+    rows = [
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [X, 6, 7]},
+        {"input_ids": [8], "attention_mask": [1], "labels": [8]},
+        {"input_ids": [1, 2, 3, 4], "labels": [X, 2, X, 4], "position_ids": [0, 1, 0, 1]},  # packed
+    ]
+    batch = Collator(pad_token_id=0, padding_free=True)(rows)
+    assert "attention_mask" not in batch
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 1, 2, 3, 4]]
+    assert batch["labels"].tolist() == [[X, 6, 7, 8, X, 2, X, 4]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 0, 1]]
+    # four sequences: the packed row's two pieces stay apart
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 4, 6, 8]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32  # what flash-attention's varlen kernel takes
+    assert batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"]
+    assert batch["max_length_q"] == batch["max_length_k"] == 3
+
+
+def test_padding_free_refuses_a_packed_row_that_starts_mid_sequence():
+    with pytest.raises(ValueError, match="position id 0"):
+        Collator(pad_token_id=0, padding_free=True)([{"input_ids": [1, 2], "position_ids": [1, 2]}])

@@ -80,7 +80,9 @@ def test_fp16_base(make_cfg):
 @pytest.mark.parametrize("flash_attn, expected", [("auto", "sdpa"), ("sdpa", "sdpa"), ("eager", "eager"),
                                                   ("disabled", "eager")])
 def test_attention_implementation(make_cfg, flash_attn, expected):
-    model = load_model(make_cfg(flash_attn=flash_attn, finetuning_type="freeze", freeze_trainable_layers=1))
+    # padding_free (on by default) swaps sdpa for its per-sequence form: tests/model/test_attention.py
+    model = load_model(make_cfg(flash_attn=flash_attn, finetuning_type="freeze", freeze_trainable_layers=1,
+                                padding_free=False))
     assert model.config._attn_implementation == expected
     assert model.config.use_cache is False
 

@@ -82,6 +82,7 @@ class DataArgs:
     mask_history: bool = opt(False, help="supervise only the last assistant turn")
     packing: bool | None = opt(None, help="pack samples into cutoff_len rows (default: on for pt)")
     neat_packing: bool = opt(False, help="pack without attention across samples (always the case here)")
+    padding_free: bool = opt(True, help="train on each micro-batch as one row without padding tokens")
     mix_strategy: str = opt("concat", choices=MIX_STRATEGIES, help="how several datasets are mixed")
     interleave_probs: list[float] | None = opt(help="sampling probabilities for interleave strategies")
     tokenized_path: str | None = opt(help="save tokenized data here, or load it from here if it exists")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuneforge.errors import ConfigError, ModelError
+from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, upcast_trainable_params
 from tuneforge.model.hub import resolve
 
@@ -106,6 +107,9 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     quant = quantization_config(m, run_dtype)
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
+    if cfg.data.padding_free and model.config._attn_implementation == "sdpa" and attention.supports_padding_free(model):
+        attention.register()
+        model.set_attn_implementation(attention.PACKED_SDPA)  # sdpa, run per sequence on flattened batches
     if quant is not None:
         _prepare_quantized(model)
     if not m.disable_gradient_checkpointing:
@@ -116,7 +120,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     logger.info(
         "loaded %s: dtype %s (trainable params fp32), attention %s, quantization %s, finetuning %s, "
         "gradient checkpointing %s, device %s",
-        path, str(load_dtype).removeprefix("torch."), model.config._attn_implementation,
+        path, str(load_dtype).removeprefix("torch."), attention.describe(model.config._attn_implementation),
         _describe_quant(m), method.finetuning_type, "off" if m.disable_gradient_checkpointing else "on", device,
     )
     logger.info("%s", describe_trainable(model))
