@@ -1,10 +1,12 @@
 """Workload W1: LoRA SFT of the built-in SmolLM2-135M-Instruct, the same run that
 ../shared/bench/peer-llamafactory.sh gives LlamaFactory, so the two can be set side by side.
 
-    python benchmarks/train_throughput.py [--dataset-dir DIR] [key=value ...]
+    python benchmarks/train_throughput.py [--dataset-dir DIR] [--peer] [key=value ...]
 
 Runs `tuneforge train` in a child process (so peak RSS is the whole run's) and prints one JSON line:
-effective (non-padding) tokens/s, train_runtime, peak RSS, final loss. Timing is measured, never asserted.
+effective (non-padding) tokens/s, train_runtime, peak RSS, final loss. With --peer it then runs the
+peer script on the same model in the same sitting, and prints both lines and a third with the ratios.
+Timing is measured, never asserted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tuneforge.workflow import loss_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "llamafactory"
+PEER_SCRIPT = ROOT.parent / "shared" / "bench" / "peer-llamafactory.sh"
 
 # the peer script's defaults, key for key
 W1 = {
@@ -52,12 +55,37 @@ W1 = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
+    parser.add_argument("--peer", action="store_true", help=f"run {PEER_SCRIPT.name} first, then compare")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
+    ours = run_tuneforge(args.dataset_dir, args.overrides)  # first: its peak RSS is read from RUSAGE_CHILDREN
+    peer = run_peer(args.dataset_dir) if args.peer else None
+    print(json.dumps(ours))
+    if peer is not None:
+        print(json.dumps(peer))
+        print(json.dumps({
+            "tokens_per_sec_ratio": round(ours["effective_tokens_per_sec"] / peer["effective_tokens_per_sec"], 3),
+            "runtime_ratio": round(peer["train_runtime_s"] / ours["train_runtime_s"], 3),
+            "peak_rss_ratio": round(ours["peak_rss_mb"] / peer["peak_rss_mb"], 3),
+        }))
+
+
+def run_peer(dataset_dir: str) -> dict:
+    """LlamaFactory on W1 (the peer script's defaults are W1's), on the built-in model's folder."""
+    from tuneforge.model.hub import builtin_model_dir
+
+    cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), f"dataset_dir={dataset_dir}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the peer failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_tuneforge(dataset_dir: str, overrides: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix="tuneforge-w1-"))
-    cfg = {**W1, "dataset_dir": args.dataset_dir, "output_dir": str(out / "run")}
+    cfg = {**W1, "dataset_dir": dataset_dir, "output_dir": str(out / "run")}
     (out / "w1.json").write_text(json.dumps(cfg, indent=2))
-    cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "w1.json"), *args.overrides]
+    cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "w1.json"), *overrides]
     start = time.time()
     with open(out / "log.txt", "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
@@ -67,7 +95,7 @@ def main() -> None:
     res = json.loads((out / "run" / "train_results.json").read_text())
     curve = loss_curve(out / "run")
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kilobytes on Linux
-    print(json.dumps({
+    return {
         "system": "tuneforge",
         "effective_tokens_per_sec": res.get("train_tokens_per_second"),
         "train_runtime_s": res.get("train_runtime"),
@@ -77,7 +105,7 @@ def main() -> None:
         "peak_rss_mb": round(peak_kb / 1024, 1),
         "wall_s": round(wall, 2),
         "out": str(out),
-    }))
+    }
 
 
 if __name__ == "__main__":
