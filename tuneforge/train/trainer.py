@@ -80,6 +80,7 @@ class StepResult:
     samples: int  # this rank
     grad_norm: float
     metrics: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)  # denominators of subset metrics
 
 
 @dataclass
@@ -89,12 +90,32 @@ class Window:
     loss_sum: float = 0.0
     units: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
 
     def add(self, result: StepResult) -> None:
         self.loss_sum += result.loss_sum
         self.units += result.units
-        for key, value in result.metrics.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + value
+        add_into(self.metrics, result.metrics)
+        add_into(self.counts, result.counts)
+
+
+def add_into(sums: dict[str, Any], values: Mapping[str, Any]) -> None:
+    """sums[k] += values[k] for every key (detached floats, so no graph is kept alive)."""
+    for key, value in values.items():
+        value = value.detach().float() if torch.is_tensor(value) else value
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def metric_means(metrics: Mapping[str, float], counts: Mapping[str, float], units: float) -> dict[str, float]:
+    """Each metric's sum divided by its own count when it has one (a subset metric), else by the units.
+
+    A subset metric with no members in the window (no desirable sample in a KTO batch) is left out."""
+    means = {}
+    for key, total in metrics.items():
+        denominator = counts.get(key, units)
+        if denominator > 0:
+            means[key] = float(total) / float(denominator)
+    return means
 
 
 class Trainer:
@@ -187,15 +208,14 @@ class Trainer:
         scale = self.world_size / max(units, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         metrics: dict[str, torch.Tensor | float] = {}
+        counts: dict[str, torch.Tensor | float] = {}
         for batch in batches:
             with self._autocast():
                 out = self.objective(self.model, self._to_device(batch))
             self.scaler.scale(out.loss_sum * scale).backward()
             loss_sum += out.loss_sum.detach().float()
-            for key, value in out.metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + (
-                    value.detach().float() if torch.is_tensor(value) else value
-                )
+            add_into(metrics, out.metrics)
+            add_into(counts, out.counts)
         step = self.state.global_step + 1
         loss_value = float(loss_sum)
         if not math.isfinite(loss_value):
@@ -212,7 +232,8 @@ class Trainer:
         self.session.steps, self.session.tokens = self.session.steps + 1, self.session.tokens + int(tokens)
         self.session.samples += samples
         metric_values = {k: float(v) for k, v in metrics.items()}
-        return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, metric_values)
+        count_values = {k: float(v) for k, v in counts.items()}
+        return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, metric_values, count_values)
 
     def _clip_gradients(self, step: int) -> float:
         """Clip to max_grad_norm (0: no clipping) and return the norm before clipping."""
@@ -276,18 +297,25 @@ class Trainer:
         self.model.eval()
         size = self.cfg.train.per_device_eval_batch_size
         rows = list(range(self.rank, len(self.eval_dataset), self.world_size))
-        loss_sum, units, sums = 0.0, 0, {}
+        loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for start in range(0, len(rows), size):
             batch = self.collator([self.eval_dataset[i] for i in rows[start : start + size]])
             units += self.objective.count(batch)
             with self._autocast():
                 out = self.objective(self.model, self._to_device(batch))
             loss_sum += float(out.loss_sum)
-            for key, value in out.metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+            add_into(sums, out.metrics)
+            add_into(counts, out.counts)
         self.model.train(was_training)
-        keys = sorted(sums)
-        loss_sum, units, *values = all_reduce_sum([loss_sum, units, *(sums[k] for k in keys)], self.device)
+        # every rank reduces the same list: the metric names are the objective's, the same on all ranks
+        keys, count_keys = sorted(sums), sorted(counts)
+        reduced = all_reduce_sum(
+            [loss_sum, units, *(float(sums[k]) for k in keys), *(float(counts[k]) for k in count_keys)],
+            self.device,
+        )
+        loss_sum, units = reduced[0], reduced[1]
+        sums = dict(zip(keys, reduced[2 : 2 + len(keys)], strict=True))
+        counts = dict(zip(count_keys, reduced[2 + len(keys) :], strict=True))
         if units == 0:
             raise DataError(
                 f"{self.cfg.source}: the evaluation data has no {self.objective.name} units "
@@ -296,7 +324,7 @@ class Trainer:
         metrics = {"eval_loss": loss_sum / units}
         if self.objective.reports_perplexity:
             metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
-        metrics.update({f"eval_{k}": v / units for k, v in zip(keys, values, strict=True)})
+        metrics.update({f"eval_{k}": v for k, v in metric_means(sums, counts, units).items()})
         return metrics
 
     def _evaluate_and_track(self) -> str | None:
@@ -329,7 +357,7 @@ class Trainer:
             "learning_rate": base_learning_rate(self.optimizer),
             "epoch": round(s.epoch_progress, 4),
         }
-        entry.update({k: v / max(window.units, 1) for k, v in window.metrics.items()})
+        entry.update(metric_means(window.metrics, window.counts, max(window.units, 1)))
         entry["step"] = s.global_step
         self._record(entry)
 

@@ -28,10 +28,14 @@ class ObjectiveOutput:
     loss_sum: scalar tensor, the loss summed over the micro-batch's units (it carries the graph).
     metrics: extra values, each *summed* over the same units (e.g. the number of pairs ranked right);
         the trainer divides them by the unit count when it logs, so they average like the loss.
+    counts: for a metric that averages over a subset of the units (KTO's rewards/chosen over the
+        desirable samples only), the size of that subset in this micro-batch; the trainer divides the
+        metric's sum by the sum of its counts instead of by the unit count.
     """
 
     loss_sum: torch.Tensor
     metrics: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    counts: dict[str, torch.Tensor | float] = field(default_factory=dict)
 
 
 @runtime_checkable
