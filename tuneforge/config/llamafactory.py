@@ -58,7 +58,7 @@ NOT_YET: tuple[str, ...] = (
     "media_dir", "streaming", "buffer_size", "eval_num_beams", "eval_on_each_dataset",
     "tool_format", "enable_thinking",
     # method
-    "pissa_convert", "oft_block_share", "module_dropout", "use_llama_pro", "use_adam_mini",
+    "oft_block_share", "module_dropout", "use_llama_pro", "use_adam_mini",
     "use_muon", "use_dft_loss", "use_galore", "galore_target", "galore_rank", "galore_update_interval",
     "galore_scale", "galore_proj_type", "galore_layerwise", "use_apollo", "apollo_target",
     "apollo_rank", "apollo_update_interval", "apollo_scale", "apollo_proj", "apollo_proj_type",

@@ -59,6 +59,7 @@ class MethodArgs:
     use_rslora: bool = opt(False, help="rank-stabilized scaling alpha / sqrt(r)")
     pissa_init: bool = opt(False, help="initialize LoRA from the principal singular vectors")
     pissa_iter: int = opt(16, help="fast-SVD iterations for PiSSA; -1 = exact SVD")
+    pissa_convert: bool = opt(True, help="save the PiSSA adapter converted to apply to the original base")
     loraplus_lr_ratio: float | None = opt(help="LoRA+: learning rate of B = ratio x learning_rate")
     loraplus_lr_embedding: float = opt(1e-6, help="LoRA+: learning rate of embedding adapters")
     create_new_adapter: bool = opt(False, help="stack a new adapter on top of adapter_name_or_path")
