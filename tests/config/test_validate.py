@@ -14,7 +14,7 @@ def cfg(tmp_path, **kw):
     ("kw", "message"),
     [
         ({"model_name_or_path": None}, "model_name_or_path is required"),
-        ({"stage": "dpo"}, "stage 'dpo' is not implemented yet"),
+        ({"stage": "ppo"}, "stage 'ppo' is not implemented yet"),
         ({"lora_rank": 0}, "lora_rank must be > 0"),
         ({"lora_dropout": 1.0}, r"lora_dropout must be in \[0, 1\)"),
         ({"finetuning_type": "full", "quantization_bit": 4}, "quantization_bit 4 needs finetuning_type lora"),
@@ -34,6 +34,22 @@ def cfg(tmp_path, **kw):
         ({"report_to": "mlflow"}, "report_to: 'mlflow' is not one of"),
         ({"adapter_name_or_path": "a", "finetuning_type": "full"}, "adapter_name_or_path needs"),
         ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs > 0 or max_steps > 0"),
+        ({"train_on_prompt": True, "mask_history": True}, "choose one"),
+        ({"val_size": 0.1, "eval_dataset": "e"}, "eval_dataset is set too"),
+        # preference stages
+        ({"stage": "dpo", "packing": True}, "stage dpo compares whole sequences, so set packing: false"),
+        ({"stage": "rm", "neat_packing": True}, "set packing: false"),
+        ({"stage": "dpo", "pref_beta": 0}, "pref_beta must be > 0"),
+        ({"stage": "kto", "pref_beta": -0.1}, "pref_beta must be > 0"),
+        ({"stage": "dpo", "dpo_label_smoothing": 0.6}, r"dpo_label_smoothing must be in \[0, 0.5\]"),
+        ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "sigmoid only"),
+        ({"stage": "kto", "kto_rejected_weight": 0}, "must be > 0"),
+        ({"stage": "dpo", "ref_model_adapters": "a"}, "ref_model_adapters needs ref_model"),
+        ({"stage": "sft", "ref_model": "m"}, "ref_model is for stages dpo and kto"),
+        ({"stage": "rm", "precompute_ref_log_probs": True}, "stage rm has no reference model"),
+        ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "simpo uses no reference model"),
+        ({"stage": "dpo", "pref_loss": "orpo", "precompute_ref_log_probs": True}, "orpo uses no reference"),
+        ({"stage": "dpo", "pissa_init": True}, "set ref_model: to the base model"),
     ],
 )
 def test_combination_that_cannot_work(tmp_path, kw, message):
@@ -65,3 +81,15 @@ def test_a_good_config_passes_with_defaults(tmp_path):
     c = cfg(tmp_path)
     assert (c.method.stage, c.method.finetuning_type, c.method.lora_rank) == ("sft", "lora", 8)
     assert c.model.trust_remote_code is False and c.data.cutoff_len == 2048
+
+
+def test_pref_loss_lists_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="pref_loss.*sigmoid, hinge, ipo, orpo, simpo"):
+        cfg(tmp_path, stage="dpo", pref_loss="dpop")
+
+
+def test_preference_defaults_are_llamafactorys(tmp_path):
+    m = cfg(tmp_path, stage="dpo").method
+    assert (m.pref_loss, m.pref_beta, m.pref_ftx, m.simpo_gamma, m.dpo_label_smoothing) == ("sigmoid", 0.1, 0.0, 0.5, 0.0)
+    assert (m.kto_chosen_weight, m.kto_rejected_weight, m.precompute_ref_log_probs) == (1.0, 1.0, False)
+    assert cfg(tmp_path, stage="dpo", pissa_init=True, ref_model="base").method.ref_model == "base"

@@ -22,7 +22,10 @@ def opt(default: Any = None, *, choices: tuple | None = None, help: str = "") ->
 
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
-IMPLEMENTED_STAGES = ("pt", "sft")
+IMPLEMENTED_STAGES = ("pt", "sft", "rm", "dpo", "kto")
+PAIRWISE_STAGES = ("rm", "dpo")
+PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
+REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 FINETUNING_TYPES = ("full", "freeze", "lora", "oft")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
@@ -69,6 +72,17 @@ class MethodArgs:
     oft_rank: int = opt(0, help="OFT rank (number of blocks); set this or oft_block_size")
     oft_block_size: int = opt(32, help="OFT block size; set this or oft_rank")
     oft_target: list[str] = opt(["all"], help="modules to adapt with OFT")
+    # preference stages (rm, dpo, kto); orpo and simpo are stage dpo with that pref_loss, as in LlamaFactory
+    pref_loss: str = opt("sigmoid", choices=PREF_LOSSES, help="dpo loss: sigmoid, hinge, ipo, orpo, simpo")
+    pref_beta: float = opt(0.1, help="beta of the preference loss (lambda for orpo)")
+    pref_ftx: float = opt(0.0, help="weight of the SFT loss on the chosen answer mixed into dpo")
+    simpo_gamma: float = opt(0.5, help="simpo: target reward margin gamma")
+    dpo_label_smoothing: float = opt(0.0, help="cDPO: share of preference labels assumed flipped (sigmoid)")
+    kto_chosen_weight: float = opt(1.0, help="kto: weight of the desirable samples' loss")
+    kto_rejected_weight: float = opt(1.0, help="kto: weight of the undesirable samples' loss")
+    ref_model: str | None = opt(help="reference model for dpo / kto (default: the initial policy)")
+    ref_model_adapters: list[str] | None = opt(help="adapter folder(s) applied to ref_model")
+    precompute_ref_log_probs: bool = opt(False, help="compute reference log-probs once, cache them, free the reference")
 
 
 @dataclass

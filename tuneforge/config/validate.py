@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from tuneforge.config.schema import IMPLEMENTED_STAGES, RunConfig
+from tuneforge.config.schema import IMPLEMENTED_STAGES, REFERENCE_FREE_LOSSES, RunConfig
 from tuneforge.errors import ConfigError
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -64,6 +64,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         fail("flash_attn: fa2 needs the flash-attn package; use flash_attn: sdpa or install flash-attn")
     if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
         fail("adapter_name_or_path needs finetuning_type lora or oft")
+    _check_preference(cfg, fail)
 
     # data
     if for_training and t.do_train and not d.dataset and not d.tokenized_path:
@@ -81,6 +82,10 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
             fail(f"interleave_probs has {len(d.interleave_probs)} values for {len(d.dataset or [])} datasets")
         if abs(sum(d.interleave_probs) - 1.0) > 1e-6 or min(d.interleave_probs) < 0:
             fail(f"interleave_probs must be >= 0 and sum to 1 (got {d.interleave_probs})")
+    if d.train_on_prompt and d.mask_history:
+        fail("mask_history supervises only the last answer and train_on_prompt every token; choose one")
+    if d.eval_dataset and d.val_size > 0:
+        fail(f"val_size {d.val_size} splits the training data, but eval_dataset is set too; drop one of them")
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         fail("preprocessing_num_workers must be >= 1")
 
@@ -122,6 +127,45 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
 
     if for_training and t.do_train:
         _check_output_dir(cfg, fail)
+
+
+def uses_reference(cfg: RunConfig) -> bool:
+    """True when the stage's loss compares the policy with a reference model (dpo except orpo/simpo, kto)."""
+    me = cfg.method
+    return me.stage == "kto" or (me.stage == "dpo" and me.pref_loss not in REFERENCE_FREE_LOSSES)
+
+
+def _check_preference(cfg: RunConfig, fail) -> None:
+    me, d = cfg.method, cfg.data
+    if me.stage in ("rm", "dpo", "kto") and (d.packing or d.neat_packing):
+        fail(f"packing joins samples into one row; stage {me.stage} compares whole sequences, so set packing: false")
+    if me.pref_beta <= 0:
+        fail(f"pref_beta must be > 0 (got {me.pref_beta})")
+    if me.pref_ftx < 0 or me.simpo_gamma < 0:
+        fail("pref_ftx and simpo_gamma must be >= 0")
+    if not 0.0 <= me.dpo_label_smoothing <= 0.5:
+        fail(f"dpo_label_smoothing must be in [0, 0.5] (got {me.dpo_label_smoothing})")
+    if me.dpo_label_smoothing > 0 and me.pref_loss != "sigmoid":
+        fail(f"dpo_label_smoothing applies to pref_loss sigmoid only (pref_loss is {me.pref_loss})")
+    if me.kto_chosen_weight <= 0 or me.kto_rejected_weight <= 0:
+        fail("kto_chosen_weight and kto_rejected_weight must be > 0")
+    if me.ref_model_adapters and not me.ref_model:
+        fail("ref_model_adapters needs ref_model (the base model the adapters belong to)")
+    if me.stage not in ("dpo", "kto"):
+        if me.ref_model or me.precompute_ref_log_probs:
+            key = "ref_model" if me.ref_model else "precompute_ref_log_probs"
+            fail(f"{key} is for stages dpo and kto; stage {me.stage} has no reference model")
+        return
+    if not uses_reference(cfg):
+        if me.ref_model or me.precompute_ref_log_probs:
+            key = "ref_model" if me.ref_model else "precompute_ref_log_probs"
+            fail(f"pref_loss {me.pref_loss} uses no reference model; drop {key}")
+        return
+    if me.pissa_init and me.finetuning_type == "lora" and not me.ref_model:
+        fail(
+            "with pissa_init the policy without its adapter is the residual of the base, not the base, so it "
+            "cannot be the reference; set ref_model: to the base model, or drop pissa_init"
+        )
 
 
 def _check_output_dir(cfg: RunConfig, fail) -> None:
