@@ -1,12 +1,16 @@
-"""Workload W1: LoRA SFT of the built-in SmolLM2-135M-Instruct, the same run that
-../shared/bench/peer-llamafactory.sh gives LlamaFactory, so the two can be set side by side.
+"""Training throughput on the workloads that ../shared/bench/peer-llamafactory.sh gives LlamaFactory, so
+the two can be set side by side in one sitting.
 
-    python benchmarks/train_throughput.py [--dataset-dir DIR] [--peer] [key=value ...]
+    python benchmarks/train_throughput.py [--workload W1|W2] [--dataset-dir DIR] [--peer] [key=value ...]
+
+W1: LoRA SFT of the built-in SmolLM2-135M-Instruct on alpaca_en_demo (the peer script's defaults).
+W2: LoRA DPO of the same model on dpo_en_demo (128 pairs, cutoff 512, batch 2, 20 steps, bf16);
+    `precompute_ref_log_probs=true` as an override measures the precomputed-reference variant.
 
 Runs `tuneforge train` in a child process (so peak RSS is the whole run's) and prints one JSON line:
-effective (non-padding) tokens/s, train_runtime, peak RSS, final loss. With --peer it then runs the
-peer script on the same model in the same sitting, and prints both lines and a third with the ratios.
-Timing is measured, never asserted.
+effective (non-padding) tokens/s, samples/s (pairs/s for W2), train_runtime, peak RSS, final loss. With
+--peer it then runs the peer script on the same model and workload, and prints both lines and a third
+with the ratios. Timing is measured, never asserted.
 """
 
 from __future__ import annotations
@@ -52,40 +56,70 @@ W1 = {
 }
 
 
+# W2: the same model and method, DPO on LlamaFactory's dpo_en_demo pairs
+W2 = {
+    **W1,
+    "stage": "dpo",
+    "pref_loss": "sigmoid",
+    "pref_beta": 0.1,
+    "dataset": "dpo_en_demo",
+    "max_samples": 128,
+    "per_device_train_batch_size": 2,
+    "max_steps": 20,
+}
+WORKLOADS = {"W1": W1, "W2": W2}
+# the peer script's keys for each workload (W1 is its defaults)
+PEER_ARGS = {
+    "W1": [],
+    "W2": ["stage=dpo", "dataset=dpo_en_demo", "max_samples=128", "batch_size=2", "max_steps=20"],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
     parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
-    parser.add_argument("--peer", action="store_true", help=f"run {PEER_SCRIPT.name} first, then compare")
+    parser.add_argument("--peer", action="store_true", help=f"run {PEER_SCRIPT.name} after tuneforge, then compare")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
-    ours = run_tuneforge(args.dataset_dir, args.overrides)  # first: its peak RSS is read from RUSAGE_CHILDREN
-    peer = run_peer(args.dataset_dir) if args.peer else None
+    # ours first: its peak RSS is read from RUSAGE_CHILDREN, which the peer would raise
+    ours = run_tuneforge(args.workload, args.dataset_dir, args.overrides)
+    peer = run_peer(args.workload, args.dataset_dir) if args.peer else None
     print(json.dumps(ours))
     if peer is not None:
         print(json.dumps(peer))
         print(json.dumps({
-            "tokens_per_sec_ratio": round(ours["effective_tokens_per_sec"] / peer["effective_tokens_per_sec"], 3),
-            "runtime_ratio": round(peer["train_runtime_s"] / ours["train_runtime_s"], 3),
-            "peak_rss_ratio": round(ours["peak_rss_mb"] / peer["peak_rss_mb"], 3),
+            "workload": args.workload,
+            "tokens_per_sec_ratio": ratio(ours["effective_tokens_per_sec"], peer["effective_tokens_per_sec"]),
+            "samples_per_sec_ratio": ratio(ours["samples_per_sec"], peer["samples_per_sec"]),
+            "runtime_ratio": ratio(peer["train_runtime_s"], ours["train_runtime_s"]),
+            "peak_rss_ratio": ratio(ours["peak_rss_mb"], peer["peak_rss_mb"]),
         }))
 
 
-def run_peer(dataset_dir: str) -> dict:
-    """LlamaFactory on W1 (the peer script's defaults are W1's), on the built-in model's folder."""
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def run_peer(workload: str, dataset_dir: str) -> dict:
+    """LlamaFactory on the workload, on the built-in model's folder; samples/s from its train_results."""
     from tuneforge.model.hub import builtin_model_dir
 
-    cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), f"dataset_dir={dataset_dir}"]
+    cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), f"dataset_dir={dataset_dir}", *PEER_ARGS[workload]]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"the peer failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    peer = json.loads(done.stdout.strip().splitlines()[-1])
+    results = Path(peer["out"]) / "run" / "train_results.json"
+    peer["samples_per_sec"] = json.loads(results.read_text()).get("train_samples_per_second") if results.is_file() else None
+    return peer
 
 
-def run_tuneforge(dataset_dir: str, overrides: list[str]) -> dict:
-    out = Path(tempfile.mkdtemp(prefix="tuneforge-w1-"))
-    cfg = {**W1, "dataset_dir": dataset_dir, "output_dir": str(out / "run")}
-    (out / "w1.json").write_text(json.dumps(cfg, indent=2))
-    cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "w1.json"), *overrides]
+def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"tuneforge-{workload.lower()}-"))
+    cfg = {**WORKLOADS[workload], "dataset_dir": dataset_dir, "output_dir": str(out / "run")}
+    (out / "workload.json").write_text(json.dumps(cfg, indent=2))
+    cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "workload.json"), *overrides]
     start = time.time()
     with open(out / "log.txt", "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
@@ -97,7 +131,9 @@ def run_tuneforge(dataset_dir: str, overrides: list[str]) -> dict:
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kilobytes on Linux
     return {
         "system": "tuneforge",
+        "workload": workload,
         "effective_tokens_per_sec": res.get("train_tokens_per_second"),
+        "samples_per_sec": res.get("train_samples_per_second"),
         "train_runtime_s": res.get("train_runtime"),
         "train_loss": res.get("train_loss"),
         "first_loss": curve.get("first_loss"),

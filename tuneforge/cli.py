@@ -67,11 +67,17 @@ def cmd_train(args) -> None:
 
     r = run(cfg)
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
+    if cfg.method.stage == "rm":
+        what += " and value head"
     print(f"\n{what} saved in {r['output_dir']}")
     if "first_loss" in r:
         print(f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f} over {r.get('global_step', '?')} steps")
+    for key, (first, last) in r.get("metric_curves", {}).items():
+        print(f"{key} {first:.4f} -> {last:.4f}")
     if "eval_loss" in r:
-        print(f"eval_loss {r['eval_loss']:.4f} (perplexity {r.get('perplexity', float('nan')):.2f})")
+        perplexity = f" (perplexity {r['perplexity']:.2f})" if "perplexity" in r else ""
+        shown = [f"{k} {r[k]:.4f}" for k in ("eval_rewards/accuracies", "eval_rewards/margins") if k in r]
+        print(", ".join([f"eval_loss {r['eval_loss']:.4f}{perplexity}", *shown]))
     print(f"{r.get('train_tokens_per_second', 0):.1f} tokens/s, {r.get('train_runtime', 0):.1f} s")
 
 

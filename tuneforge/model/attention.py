@@ -31,7 +31,7 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
     pieces = [
         sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
                                dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
-        for s, e in zip(edges[:-1], edges[1:])
+        for s, e in zip(edges[:-1], edges[1:], strict=True)
     ]
     return torch.cat(pieces, dim=1), None  # (1, N, heads, head_dim), as sdpa_attention_forward returns
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,8 +11,8 @@ import torch
 
 from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
-from tuneforge.model.adapters import apply_finetuning, upcast_trainable_params
-from tuneforge.model.hub import resolve
+from tuneforge.model.adapters import _load_adapter, apply_finetuning, upcast_trainable_params
+from tuneforge.model.hub import resolve, resolve_adapter
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -107,9 +108,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     quant = quantization_config(m, run_dtype)
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
-    if cfg.data.padding_free and model.config._attn_implementation == "sdpa" and attention.supports_padding_free(model):
-        attention.register()
-        model.set_attn_implementation(attention.PACKED_SDPA)  # sdpa, run per sequence on flattened batches
+    _use_packed_sdpa(model, cfg)
     if quant is not None:
         _prepare_quantized(model)
     if not m.disable_gradient_checkpointing:
@@ -125,6 +124,61 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     )
     logger.info("%s", describe_trainable(model))
     return model
+
+
+def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTrainedModel:
+    """The frozen reference model of dpo / kto: ref_model (with ref_model_adapters merged into it), or,
+    without one, a fresh load of model_name_or_path (the policy as it was before training).
+
+    It runs in the compute dtype (bf16 / fp16 / fp32), in eval mode, with no trainable parameter.
+    lora / oft runs without ref_model need none of this: their reference is the policy with its adapters
+    disabled.
+    """
+    method = cfg.method
+    device = torch.device(device) if device is not None else default_device()
+    m = replace(cfg.model, model_name_or_path=method.ref_model) if method.ref_model else cfg.model
+    path = resolve_model_path(m)
+    dtype = compute_dtype(cfg.train)
+    model = _from_pretrained(path, load_config(path, m), m, dtype=dtype, quant=None, device=device)
+    model.config.use_cache = False
+    _use_packed_sdpa(model, cfg)
+    for adapter in method.ref_model_adapters or []:
+        folder = resolve_adapter(adapter, cache_dir=m.cache_dir, revision=m.model_revision)
+        model = _load_adapter(model, folder, trainable=False).merge_and_unload()
+        logger.info("reference: merged adapter %s", folder)
+    model.requires_grad_(False)
+    model.eval()
+    logger.info("reference model: %s (%s, frozen)", path, str(dtype).removeprefix("torch."))
+    return model
+
+
+def reference_identity(cfg: RunConfig) -> dict[str, object]:
+    """What the reference's outputs depend on (for caching precomputed log-probs): its weights' files
+    (name, size, modification time), the adapters merged into it, and the dtype it runs in."""
+    method, m = cfg.method, cfg.model
+    name = method.ref_model or m.model_name_or_path
+    folders = [resolve_model_path(replace(m, model_name_or_path=name))]
+    adapters = method.ref_model_adapters if method.ref_model else None
+    if not method.ref_model and method.finetuning_type in ("lora", "oft"):
+        # the policy with its adapters disabled: the base with every adapter it merged (all but the last,
+        # or all of them with create_new_adapter)
+        given = m.adapter_name_or_path or []
+        adapters = given if method.create_new_adapter else given[:-1]
+    folders += [resolve_adapter(a, cache_dir=m.cache_dir, revision=m.model_revision) for a in adapters or []]
+    files = [
+        (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+        for folder in folders
+        for p in sorted(folder.iterdir())
+        if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()
+    ]
+    return {"files": files, "dtype": str(compute_dtype(cfg.train)), "padding_free": cfg.data.padding_free}
+
+
+def _use_packed_sdpa(model: PreTrainedModel, cfg: RunConfig) -> None:
+    """With padding_free, run sdpa per sequence on flattened batches (models on the attention interface)."""
+    if cfg.data.padding_free and model.config._attn_implementation == "sdpa" and attention.supports_padding_free(model):
+        attention.register()
+        model.set_attn_implementation(attention.PACKED_SDPA)
 
 
 def load_config(path: Path, model_args: ModelArgs) -> PretrainedConfig:

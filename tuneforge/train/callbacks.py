@@ -25,6 +25,15 @@ logger = logging.getLogger(__name__)
 TRAINER_LOG = "trainer_log.jsonl"
 LOSS_PLOT = "training_loss.png"
 EVAL_LOSS_PLOT = "training_eval_loss.png"
+# plotted when logged (preference stages), as LlamaFactory plots them: training_rewards_accuracies.png
+METRIC_PLOTS = ("rewards/accuracies", "rewards/margins")
+# log_history keys that trainer_log.jsonl writes under LlamaFactory's names; every other key but these
+# is an objective's metric (rewards/chosen, eval_rewards/accuracies, kl, ...) and is written as it is
+STANDARD_KEYS = ("loss", "eval_loss", "learning_rate", "epoch", "grad_norm", "step", "perplexity")
+
+
+def objective_metrics(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k not in STANDARD_KEYS}
 
 
 def format_time(seconds: float) -> str:
@@ -71,6 +80,7 @@ class TrainerLog:
             "throughput": round(session.tokens / elapsed, 2) if elapsed > 0 else None,
             "total_tokens": total_tokens,
             "grad_norm": entry.get("grad_norm"),
+            **objective_metrics(entry),
         }
         line = {k: v for k, v in line.items() if v is not None}
         with self.path.open("a", encoding="utf-8") as f:
@@ -103,17 +113,21 @@ class Progress:
             self.bar.update(step - self.bar.n)
 
     def log(self, line: dict[str, Any]) -> None:
+        accuracy = line.get("rewards/accuracies")
         if self.bar is not None:
+            extra = {"acc": f"{accuracy:.2f}"} if accuracy is not None else {}
             self.bar.set_postfix(
                 loss=f"{line.get('loss', float('nan')):.4f}",
                 lr=f"{line.get('lr', 0):.2e}",
                 tok_s=f"{line.get('throughput', 0):.0f}",
+                **extra,
                 refresh=False,
             )
             return
         grad = f" | grad_norm {line['grad_norm']:.3f}" if "grad_norm" in line else ""
+        metrics = "".join(f" | {k} {v:.4f}" for k, v in line.items() if "/" in k or k == "kl")
         logger.info(
-            "step %d/%d (%.0f%%) | epoch %.2f | loss %.4f | lr %.3e%s | %.0f tokens/s | elapsed %s | eta %s",
+            "step %d/%d (%.0f%%) | epoch %.2f | loss %.4f | lr %.3e%s%s | %.0f tokens/s | elapsed %s | eta %s",
             line["current_steps"],
             self.total_steps,
             line["percentage"],
@@ -121,6 +135,7 @@ class Progress:
             line.get("loss", float("nan")),
             line.get("lr", 0.0),
             grad,
+            metrics,
             line.get("throughput", 0.0),
             line["elapsed_time"],
             line["remaining_time"],
@@ -196,14 +211,16 @@ def smooth(values: list[float]) -> list[float]:
 
 
 def plot_losses(log_history: list[dict[str, Any]], output_dir: str | Path) -> list[Path]:
-    """training_loss.png (raw + smoothed) and, when there were evaluations, training_eval_loss.png."""
+    """training_loss.png (raw + smoothed), training_eval_loss.png when there were evaluations, and
+    training_rewards_accuracies.png / training_rewards_margins.png for the preference stages."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    for key, filename in (("loss", LOSS_PLOT), ("eval_loss", EVAL_LOSS_PLOT)):
+    metric_plots = [(key, f"training_{key.replace('/', '_')}.png") for key in METRIC_PLOTS]
+    for key, filename in (("loss", LOSS_PLOT), ("eval_loss", EVAL_LOSS_PLOT), *metric_plots):
         points = [(e["step"], e[key]) for e in log_history if key in e]
         if not points:
             continue
