@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from tuneforge.config import RunConfig
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -53,9 +56,40 @@ class Objective(Protocol):
         ...
 
 
-# imported last: lm.py builds on the types above
+# imported last: the objectives build on the types above
+from tuneforge.train.objectives.kto import KTOObjective  # noqa: E402
 from tuneforge.train.objectives.lm import LMObjective  # noqa: E402
+from tuneforge.train.objectives.preference import PreferenceObjective  # noqa: E402
+from tuneforge.train.objectives.reference import (  # noqa: E402
+    AdapterReference,
+    ModelReference,
+    Reference,
+    reference_logps,
+)
+from tuneforge.train.objectives.reward import RewardObjective  # noqa: E402
 
 lm_objective = LMObjective()
 
-__all__ = ["Batch", "LMObjective", "Objective", "ObjectiveOutput", "lm_objective"]
+
+def build_objective(cfg: RunConfig, reference: Reference | None = None) -> Objective:
+    """The objective of cfg.method.stage (pt / sft: lm_objective). reference: the dpo / kto reference
+    (AdapterReference, ModelReference), unused when the batches carry precomputed ref_logps."""
+    from tuneforge.errors import ConfigError
+
+    stage = cfg.method.stage
+    if stage in ("pt", "sft"):
+        return lm_objective
+    if stage == "rm":
+        return RewardObjective()
+    if stage == "dpo":
+        return PreferenceObjective.from_config(cfg, reference)
+    if stage == "kto":
+        return KTOObjective.from_config(cfg, reference)
+    raise ConfigError(f"stage {stage} has no training objective yet")
+
+
+__all__ = [
+    "AdapterReference", "Batch", "KTOObjective", "LMObjective", "ModelReference", "Objective",
+    "ObjectiveOutput", "PreferenceObjective", "Reference", "RewardObjective", "build_objective",
+    "lm_objective", "reference_logps",
+]

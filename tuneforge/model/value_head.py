@@ -1,0 +1,131 @@
+"""A scalar value head on a causal LM: the reward model of the rm stage (and the scorer PPO will use).
+
+ValueHeadModel wraps a causal LM (plain or peft) and a fp32 nn.Linear(hidden_size, 1). Scoring runs the
+decoder only (no vocabulary projection) and reads the value head at each sequence's last real token
+(`sequence_ends`, indices into input_ids.view(-1)). Attributes it does not define (config, get_decoder,
+peft_config, active_adapter, gradient checkpointing methods, ...) are the wrapped model's, so the
+trainer and checkpoint code treat it as the model; named_parameters() holds model.* and v_head.*.
+
+Saved folders follow Hugging Face conventions plus one file: save_pretrained writes the wrapped model as
+usual (an adapter folder for peft, a full model otherwise) and value_head.safetensors (v_head.weight,
+v_head.bias). To score with a saved reward model, load the model (and adapter) from the folder as usual,
+then `attach_value_head(model, folder)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tuneforge.errors import ModelError
+from tuneforge.model.attention import VARLEN_KEYS
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_HEAD_KEYS = ("v_head.weight", "v_head.bias")
+# the batch keys the decoder reads (the rest of a preference batch is for the objective)
+DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids", *VARLEN_KEYS)
+
+
+def hidden_size(config: Any) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.hidden_size)
+
+
+class ValueHeadModel(torch.nn.Module):
+    """model: the causal LM (plain or peft-wrapped); v_head_state: saved v_head weights, else a fresh
+    zero-mean init (normal, std 1/sqrt(hidden_size + 1); bias 0)."""
+
+    def __init__(self, model: torch.nn.Module, v_head_state: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.model = model
+        size = hidden_size(model.config)
+        device = next(model.parameters()).device
+        self.v_head = torch.nn.Linear(size, 1, dtype=torch.float32, device=device)
+        torch.nn.init.normal_(self.v_head.weight, std=1 / math.sqrt(size + 1))
+        torch.nn.init.zeros_(self.v_head.bias)
+        if v_head_state is not None:
+            self.load_value_head_state(v_head_state)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters and submodules (model, v_head)
+        except AttributeError:
+            if name == "model":  # not set yet (inside __init__): do not recurse
+                raise
+            return getattr(self.model, name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        sequence_ends: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """fp32 values: (S,) at the given sequence_ends, else (batch, seq) at every position."""
+        try:
+            decoder = self.model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError) as e:
+            raise ModelError(
+                f"{type(self.model).__name__} exposes no decoder (get_decoder: {e}); a value head needs "
+                f"the decoder's hidden states"
+            ) from None
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False, **kwargs,
+        ).last_hidden_state
+        if sequence_ends is not None:
+            hidden = hidden.reshape(-1, hidden.shape[-1])[sequence_ends]
+        with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
+            return self.v_head(hidden.float()).squeeze(-1)
+
+    def score(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """(S,) fp32 scores of a collated batch (padded or padding-free) that carries sequence_ends."""
+        inputs = {k: batch[k] for k in DECODER_INPUTS if k in batch}
+        return self(**inputs, sequence_ends=batch["sequence_ends"])
+
+    def value_head_state(self) -> dict[str, torch.Tensor]:
+        return {
+            "v_head.weight": self.v_head.weight.detach().contiguous().cpu(),
+            "v_head.bias": self.v_head.bias.detach().contiguous().cpu(),
+        }
+
+    def load_value_head_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        missing = [k for k in VALUE_HEAD_KEYS if k not in state]
+        if missing:
+            raise ModelError(f"the value head weights lack {', '.join(missing)}")
+        with torch.no_grad():
+            for key, param in (("v_head.weight", self.v_head.weight), ("v_head.bias", self.v_head.bias)):
+                if tuple(state[key].shape) != tuple(param.shape):
+                    raise ModelError(
+                        f"{key} has shape {tuple(state[key].shape)}, but this model needs {tuple(param.shape)} "
+                        f"(hidden_size {param.shape[-1]}); was the value head trained on another model?"
+                    )
+                param.copy_(state[key].to(param.device, torch.float32))
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
+        """The wrapped model's usual save_pretrained (adapter or full model) plus value_head.safetensors."""
+        folder = Path(save_directory)
+        self.model.save_pretrained(folder, **kwargs)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(self.value_head_state(), str(folder / VALUE_HEAD_FILE))
+
+
+def load_value_head(folder: str | Path) -> dict[str, torch.Tensor]:
+    """{v_head.weight, v_head.bias} from folder/value_head.safetensors."""
+    path = Path(folder) / VALUE_HEAD_FILE
+    if not path.is_file():
+        raise ModelError(
+            f"{folder} has no {VALUE_HEAD_FILE}; it is not a tuneforge reward model (stage rm) output folder"
+        )
+    return load_file(str(path))
+
+
+def attach_value_head(model: torch.nn.Module, folder: str | Path) -> ValueHeadModel:
+    """A loaded model (and adapter) of a saved reward-model folder, with that folder's value head on it."""
+    return ValueHeadModel(model, load_value_head(folder))
