@@ -7,7 +7,16 @@ import logging
 import pytest
 
 from tuneforge.data import build
-from tuneforge.data.formats import BadRow, Conversation, to_conversation, to_document
+from tuneforge.data.formats import (
+    BadRow,
+    Conversation,
+    FeedbackRow,
+    PairwiseRow,
+    to_conversation,
+    to_document,
+    to_feedback,
+    to_pairwise,
+)
 from tuneforge.data.registry import parse_entry
 from tuneforge.errors import DataError
 
@@ -211,3 +220,164 @@ def test_missing_column_in_whole_dataset(tokenizer, home, tmp_path, write_datase
         DataError, match="column 'instruction' is not in the data \\(it has question, answer\\)"
     ):
         build(make_cfg(tmp_path / "d", dataset="alp"), tokenizer)
+
+
+ALPACA_RANKING = parse_entry(
+    "ar",
+    {
+        "file_name": "ar.json",
+        "ranking": True,
+        "columns": {
+            "prompt": "instruction",
+            "query": "input",
+            "history": "history",
+            "system": "system",
+            "chosen": "good",
+            "rejected": "bad",
+        },
+    },
+)
+SHAREGPT_RANKING = parse_entry(
+    "sr",
+    {
+        "file_name": "sr.json",
+        "ranking": True,
+        "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"},
+    },
+)
+SHAREGPT_FEEDBACK = parse_entry(
+    "sf",
+    {
+        "file_name": "sf.json",
+        "formatting": "sharegpt",
+        "columns": {"messages": "messages", "kto_tag": "label"},
+        "tags": {
+            "role_tag": "role",
+            "content_tag": "content",
+            "user_tag": "user",
+            "assistant_tag": "assistant",
+        },
+    },
+)
+
+
+def test_alpaca_ranking_row_is_a_prompt_and_two_answers():
+    row = {
+        "instruction": "Name it",
+        "input": "a red fruit",
+        "good": "An apple.",
+        "bad": "A car.",
+        "system": "Be brief.",
+        "history": [["hi", "hello"]],
+    }
+    pair = to_pairwise(row, ALPACA_RANKING, default_system="unused, the row has one")
+    assert pair == PairwiseRow(
+        prompt=Conversation(
+            system="Be brief.",
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "Name it\na red fruit"},
+            ],
+        ),
+        chosen="An apple.",
+        rejected="A car.",
+    )
+    assert to_pairwise(
+        {"instruction": "q", "good": "a", "bad": "b"}, ALPACA_RANKING, default_system="D"
+    ).prompt == (Conversation(system="D", messages=[{"role": "user", "content": "q"}]))
+
+
+def test_sharegpt_ranking_row_takes_its_answers_from_the_chosen_and_rejected_messages():
+    row = {
+        "conversations": [
+            {"from": "system", "value": "sys"},
+            {"from": "human", "value": "weather?"},
+            {"from": "function_call", "value": "{}"},
+            {"from": "observation", "value": "sunny"},
+        ],
+        "chosen": {"from": "gpt", "value": "It is sunny."},
+        "rejected": {"from": "function_call", "value": '{"again": 1}'},  # a tool call is an assistant turn
+    }
+    pair = to_pairwise(row, SHAREGPT_RANKING)
+    assert pair.prompt.system == "sys"
+    assert [m["role"] for m in pair.prompt.messages] == ["user", "assistant", "tool"]
+    assert (pair.chosen, pair.rejected) == ("It is sunny.", '{"again": 1}')
+
+
+def test_feedback_rows_split_off_the_judged_answer():
+    row = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "label": False,
+    }
+    assert to_feedback(row, SHAREGPT_FEEDBACK) == FeedbackRow(
+        prompt=Conversation(messages=[{"role": "user", "content": "q"}]), completion="a", desirable=False
+    )
+    alpaca = parse_entry(
+        "af", {"file_name": "af.json", "columns": {"prompt": "p", "response": "r", "kto_tag": "t"}}
+    )
+    fb = to_feedback({"p": "question", "r": "answer", "t": True}, alpaca)
+    assert (fb.prompt.messages, fb.completion, fb.desirable) == (
+        [{"role": "user", "content": "question"}],
+        "answer",
+        True,
+    )
+
+
+Q = [{"from": "human", "value": "q"}]
+A = {"from": "gpt", "value": "a"}
+BAD_RANKING = [
+    ({"conversations": Q, "rejected": A}, "chosen column 'chosen' is missing"),
+    ({"conversations": Q, "chosen": A, "rejected": None}, "rejected column 'rejected' is missing"),
+    ({"conversations": Q, "chosen": "a", "rejected": A}, "chosen column 'chosen' must hold one message"),
+    (
+        {"conversations": Q, "chosen": {"from": "human", "value": "a"}, "rejected": A},
+        "chosen must be an assistant message \\(from: 'gpt'\\), got from: 'human'",
+    ),
+    ({"conversations": Q, "chosen": A, "rejected": {"from": "gpt"}}, "rejected must have text under 'value'"),
+    ({"conversations": Q + [A], "chosen": A, "rejected": A}, "must end with a user \\(or tool\\) turn"),
+    ({"conversations": [], "chosen": A, "rejected": A}, "empty conversation"),
+    (
+        {"conversations": [{"from": "robot", "value": "q"}], "chosen": A, "rejected": A},
+        "unknown role 'robot'",
+    ),
+]
+
+
+@pytest.mark.parametrize("row,problem", BAD_RANKING)
+def test_bad_ranking_rows(row, problem):
+    with pytest.raises(BadRow, match=problem):
+        to_pairwise(row, SHAREGPT_RANKING)
+
+
+@pytest.mark.parametrize(
+    "row,problem",
+    [
+        ({"instruction": "q", "bad": "b"}, "chosen column 'good' is missing"),
+        ({"instruction": "q", "good": ["a"], "bad": "b"}, "chosen column 'good' must be text, got list"),
+    ],
+)
+def test_bad_alpaca_ranking_rows(row, problem):
+    with pytest.raises(BadRow, match=problem):
+        to_pairwise(row, ALPACA_RANKING)
+
+
+U = {"role": "user", "content": "q"}
+ANSWER = {"role": "assistant", "content": "a"}
+
+
+@pytest.mark.parametrize(
+    "row,problem",
+    [
+        ({"messages": [U, ANSWER]}, "kto_tag column 'label' is missing"),
+        ({"messages": [U, ANSWER], "label": 1}, "kto_tag column 'label' must be true or false, got int 1"),
+        ({"messages": [U, ANSWER], "label": "yes"}, "must be true or false, got str 'yes'"),
+        ({"messages": [U], "label": True}, "must end with an assistant turn"),
+        ({"messages": [], "label": True}, "empty conversation"),
+        ({"messages": [{"role": "bot", "content": "q"}, ANSWER], "label": True}, "unknown role 'bot'"),
+    ],
+)
+def test_bad_feedback_rows(row, problem):
+    with pytest.raises(BadRow, match=problem):
+        to_feedback(row, SHAREGPT_FEEDBACK)

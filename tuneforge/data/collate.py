@@ -12,6 +12,13 @@ the loss is the padded batch's: every sample sees only itself.
 
 The model must run without a KV cache (`use_cache=False`) for this: with a cache transformers does not
 look for packed sequences and lets the pieces of a row attend to each other.
+
+Preference rows (pairwise: chosen_* / rejected_*; feedback: the answer and kl_*) hold several sequences.
+B rows become S = 2B sequences, all first halves then all second halves (chosen_0 .. chosen_{B-1},
+rejected_0 .. rejected_{B-1}), collated as plain rows are, plus what the objectives read:
+`sequence_ids` (shaped like input_ids: the sequence of each token, -1 on padding), `sequence_ends` (S,)
+(the index in input_ids.view(-1) of each sequence's last token), `kto_tags` (B,) for feedback rows, and
+`ref_logps` (S,) float32 when the rows carry precomputed reference log-probs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,16 @@ from typing import Any
 import torch
 
 from tuneforge.data.encode import IGNORE_INDEX
+from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
+
+
+def row_kind(row: dict[str, Any]) -> str:
+    """plain, pairwise or feedback: which layout a token row has."""
+    if "chosen_input_ids" in row:
+        return "pairwise"
+    if "kl_input_ids" in row:
+        return "feedback"
+    return "plain"
 
 
 class Collator:
@@ -38,9 +55,18 @@ class Collator:
         m = self.pad_to_multiple_of
         return -(-width // m) * m if m else width
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if not rows:
             raise ValueError("cannot collate an empty batch")
+        kinds = {row_kind(r) for r in rows}
+        if len(kinds) > 1:
+            raise ValueError(f"cannot collate a batch that mixes row layouts {sorted(kinds)}")
+        kind = kinds.pop()
+        if kind != "plain":
+            return self._preference(rows, kind)
+        return self._plain(rows)
+
+    def _plain(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if self.padding_free:
             return flatten(rows)
         width = self._width(rows)
@@ -66,6 +92,28 @@ class Collator:
             batch["attention_mask"] = torch.tensor(masks, dtype=torch.long)
         return batch
 
+    def _preference(self, rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+        prefixes = SEQUENCE_PREFIXES[kind]
+        sequences = [
+            {
+                "input_ids": r[f"{p}input_ids"],
+                "labels": r[f"{p}labels"],
+                "attention_mask": r.get(f"{p}attention_mask") or [1] * len(r[f"{p}input_ids"]),
+            }
+            for p in prefixes
+            for r in rows
+        ]
+        batch = self._plain(sequences)
+        lengths = torch.tensor([len(s["input_ids"]) for s in sequences], dtype=torch.long)
+        width = batch["input_ids"].shape[1]
+        batch["sequence_ids"], batch["sequence_ends"] = sequence_layout(lengths, width, self.padding_free)
+        if kind == "feedback":
+            batch["kto_tags"] = torch.tensor([int(r["kto_tag"]) for r in rows], dtype=torch.long)
+        ref = _ref_logps(rows, prefixes)
+        if ref is not None:
+            batch["ref_logps"] = ref
+        return batch
+
 
 def flatten(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rows (plain or packed) -> one padding-free row with position ids and sequence boundaries."""
@@ -89,3 +137,29 @@ def flatten(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "max_length_q": longest,
         "max_length_k": longest,
     }
+
+
+def sequence_layout(
+    lengths: torch.Tensor, width: int, padding_free: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence_ids, sequence_ends) of S sequences: padded, one per row of `width`; or back to back."""
+    count = len(lengths)
+    if padding_free:
+        ids = torch.repeat_interleave(torch.arange(count), lengths).unsqueeze(0)
+        return ids, torch.cumsum(lengths, 0) - 1
+    positions = torch.arange(width).expand(count, -1)
+    owner = torch.arange(count).unsqueeze(1).expand(-1, width)
+    ids = torch.where(positions < lengths.unsqueeze(1), owner, -1)
+    return ids, torch.arange(count) * width + lengths - 1
+
+
+def _ref_logps(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> torch.Tensor | None:
+    columns = [REF_LOGP_COLUMNS[p] for p in prefixes]
+    carried = [all(c in r and r[c] is not None for c in columns) for r in rows]
+    if not any(carried):
+        return None
+    if not all(carried):
+        raise ValueError(
+            f"some rows of the batch carry reference log-probs ({', '.join(columns)}) and others not"
+        )
+    return torch.tensor([float(r[c]) for c in columns for r in rows], dtype=torch.float32)

@@ -2,8 +2,8 @@
 
 Every output row carries `_status`: ok / ok_truncated (kept), bad (skipped malformed row), dropped
 (truncation left nothing supervised), empty (a pt document without text). The pipeline counts and
-filters on it. Later stages add encoders here (`pairwise` for rm/dpo, `feedback` for kto) and name the
-dataset kinds they read in ENCODERS.
+filters on it. The preference encoders (`pairwise` for rm/dpo, `feedback` for kto) are in encode_pref.py;
+ENCODERS names each stage's encoder and the dataset kinds it reads.
 """
 
 from __future__ import annotations
@@ -36,21 +36,35 @@ class EncoderSpec:
     kinds: tuple[str, ...]  # the DatasetAttr kinds it reads
 
 
-ENCODERS = {"pt": EncoderSpec("pretrain", ("plain",)), "sft": EncoderSpec("supervised", ("plain",))}
+ENCODERS = {
+    "pt": EncoderSpec("pretrain", ("plain",)),
+    "sft": EncoderSpec("supervised", ("plain",)),
+    "rm": EncoderSpec("pairwise", ("pairwise",)),
+    "dpo": EncoderSpec("pairwise", ("pairwise",)),
+    "kto": EncoderSpec("feedback", ("feedback",)),
+}
+PREFERENCE_ENCODERS = ("pairwise", "feedback")  # whole sequences compared with each other: never packed
 KIND_WORDS = {
+    "plain": "a plain dataset (no ranking, no kto_tag)",
     "pairwise": "a ranking dataset (chosen/rejected, for rm or dpo)",
     "feedback": "a feedback dataset (kto_tag, for kto)",
+}
+KIND_NEEDS = {
+    "plain": "a dataset without ranking/kto_tag",
+    "pairwise": "a ranking dataset (ranking: true with chosen/rejected columns)",
+    "feedback": "a feedback dataset (a kto_tag column of true/false)",
 }
 
 
 def check_stage(attr: DatasetAttr, stage: str) -> None:
+    """Stop before tokenizing when the stage cannot train on this kind of dataset."""
     spec = ENCODERS.get(stage)
     if spec is None:
         raise DataError(f"stage {stage} has no data encoder yet; available: {', '.join(ENCODERS)}")
     if attr.kind not in spec.kinds:
         raise DataError(
-            f"dataset '{attr.name}' is {KIND_WORDS[attr.kind]}, which stage {stage} cannot train "
-            f"on; choose a dataset without ranking/kto_tag, or another stage"
+            f"dataset '{attr.name}' is {KIND_WORDS[attr.kind]}, which stage {stage} cannot train on: it "
+            f"needs {KIND_NEEDS[spec.kinds[0]]}; choose another dataset or stage"
         )
 
 
@@ -182,12 +196,12 @@ def build_sample(
     return input_ids, labels, "ok_truncated" if len(input_ids) < len(ids) else "ok"
 
 
-def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+def batch_rows(batch: dict[str, list]) -> list[dict[str, Any]]:
     keys = list(batch)
     return [dict(zip(keys, values, strict=True)) for values in zip(*(batch[k] for k in keys), strict=True)]
 
 
-def _row_number(indices: list[int], i: int, row_numbers: list[int] | None) -> int:
+def source_row(indices: list[int], i: int, row_numbers: list[int] | None) -> int:
     return row_numbers[indices[i]] if row_numbers is not None else indices[i]
 
 
@@ -204,13 +218,13 @@ def encode_supervised(
     """sft: chat template, labels on each assistant turn's content and end-of-turn marker."""
     rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
     status = ["bad"] * len(indices)
-    for i, row in enumerate(_rows(batch)):
+    for i, row in enumerate(batch_rows(batch)):
         try:
             conv = formats.to_conversation(row, attr, default_system=settings.default_system)
             text, spans = template.render(tokenizer, chat, conv)
         except BadRow as e:
             if not settings.skip_bad_rows:
-                raise bad_row_error(attr, _row_number(indices, i, row_numbers), str(e)) from None
+                raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
             continue
         rendered.append((i, text, spans))
     out: dict[str, list] = {"input_ids": [[] for _ in indices], "labels": [[] for _ in indices]}
@@ -238,12 +252,12 @@ def encode_pretrain(
     Chunking into cutoff_len rows happens later (packing.chunk_documents), over the whole dataset.
     """
     texts, status = [], []
-    for i, row in enumerate(_rows(batch)):
+    for i, row in enumerate(batch_rows(batch)):
         try:
             text = formats.to_document(row, attr)
         except BadRow as e:
             if not settings.skip_bad_rows:
-                raise bad_row_error(attr, _row_number(indices, i, row_numbers), str(e)) from None
+                raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
             texts.append("")
             status.append("bad")
             continue

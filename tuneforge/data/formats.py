@@ -36,9 +36,13 @@ class Conversation:
 
 def required_columns(attr: DatasetAttr, stage: str) -> list[str]:
     if attr.formatting == "alpaca":
-        keys = ("prompt",) if stage == "pt" else ("prompt", "response")
+        # a ranking row's answers are in its chosen / rejected columns, not in a response column
+        keys: tuple[str, ...] = (
+            ("prompt",) if stage == "pt" or attr.kind == "pairwise" else ("prompt", "response")
+        )
     else:
         keys = ("messages",)
+    keys += {"pairwise": ("chosen", "rejected"), "feedback": ("kto_tag",)}.get(attr.kind, ())
     return [attr.column(k) for k in keys if attr.column(k)]
 
 
@@ -51,10 +55,16 @@ def check_columns(attr: DatasetAttr, column_names: list[str], stage: str) -> Non
         )
     if attr.formatting == "alpaca" and not attr.column("prompt"):
         raise DataError(f'dataset \'{attr.name}\': columns must name a prompt column (e.g. "prompt": "text")')
-    if stage == "sft" and attr.formatting == "alpaca" and not attr.column("response"):
+    needs_response = stage == "sft" or attr.kind == "feedback"
+    if needs_response and attr.formatting == "alpaca" and not attr.column("response"):
         raise DataError(
-            f"dataset '{attr.name}': stage sft needs a response column in columns "
+            f"dataset '{attr.name}': stage {stage} needs a response column in columns "
             f'(e.g. "response": "output")'
+        )
+    if attr.kind == "pairwise" and not (attr.column("chosen") and attr.column("rejected")):
+        raise DataError(
+            f"dataset '{attr.name}' has ranking: true, so columns must name its chosen and rejected "
+            f'columns (e.g. "chosen": "chosen", "rejected": "rejected") in dataset_info.json'
         )
     missing = [c for c in required_columns(attr, stage) if c not in column_names]
     if missing:
@@ -111,6 +121,16 @@ def to_conversation(
 
 
 def _from_alpaca(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
+    conv = _alpaca_prompt(row, attr)
+    response = _text(row, attr.column("response"), "response", required=True)
+    if not conv.messages[-1]["content"] and not response and len(conv.messages) == 1:
+        raise BadRow("empty conversation (no prompt and no response)")
+    conv.messages.append({"role": "assistant", "content": response})
+    return conv
+
+
+def _alpaca_prompt(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
+    """The history, then the prompt (and query) as the last user turn."""
     messages: list[dict[str, str]] = []
     history_column = attr.column("history")
     history = row.get(history_column) if history_column else None
@@ -127,10 +147,7 @@ def _from_alpaca(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
     query = _text(row, attr.column("query"), "query", required=False) if attr.column("query") else None
     # LlamaFactory joins the instruction and the input with a newline, leaving out empty parts
     user = "\n".join(part for part in (prompt, query) if part)
-    response = _text(row, attr.column("response"), "response", required=True)
-    if not user and not response and not messages:
-        raise BadRow("empty conversation (no prompt and no response)")
-    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+    messages.append({"role": "user", "content": user})
     return Conversation(system=_system(row, attr), tools=_tools(row, attr), messages=messages)
 
 
@@ -217,3 +234,91 @@ def to_document(row: dict[str, Any], attr: DatasetAttr) -> str:
     prompt = _text(row, attr.column("prompt"), "text", required=True)
     query = _text(row, attr.column("query"), "query", required=False) if attr.column("query") else None
     return "\n".join(part for part in (prompt, query) if part)
+
+
+@dataclass
+class PairwiseRow:
+    """A ranking row: the prompt (ending with a user or tool turn) and the two answers to it."""
+
+    prompt: Conversation
+    chosen: str
+    rejected: str
+
+
+@dataclass
+class FeedbackRow:
+    """A kto row: the prompt, the answer that is judged, and the judgement (True: desirable)."""
+
+    prompt: Conversation
+    completion: str
+    desirable: bool
+
+
+def to_pairwise(row: dict[str, Any], attr: DatasetAttr, *, default_system: str | None = None) -> PairwiseRow:
+    """One ranking row -> PairwiseRow, or BadRow.
+
+    alpaca: the prompt columns make the prompt, the chosen / rejected columns hold the answers as text.
+    sharegpt / openai: the messages end with a user (or tool) turn, and the chosen / rejected columns each
+    hold one assistant message, written with the dataset's tags.
+    """
+    if attr.formatting == "alpaca":
+        prompt = _alpaca_prompt(row, attr)
+        chosen = _text(row, attr.column("chosen"), "chosen", required=True)
+        rejected = _text(row, attr.column("rejected"), "rejected", required=True)
+    else:
+        prompt = _from_sharegpt(row, attr)
+        chosen, rejected = _answer_message(row, attr, "chosen"), _answer_message(row, attr, "rejected")
+    if not prompt.system and default_system:
+        prompt.system = default_system
+    check_turns(prompt.messages, require_final_assistant=False)
+    last = prompt.messages[-1]["role"]
+    if last not in PROMPT_SIDE:
+        raise BadRow(
+            f"the messages of a ranking row must end with a user (or tool) turn, but the last is {last}; "
+            f"the answers belong in the chosen and rejected columns"
+        )
+    return PairwiseRow(prompt, chosen, rejected)
+
+
+def _answer_message(row: dict[str, Any], attr: DatasetAttr, key: str) -> str:
+    """The content of the assistant message in the chosen / rejected column."""
+    column = attr.column(key)
+    message = row.get(column)
+    if message is None:
+        raise BadRow(f"{key} column '{column}' is missing")
+    role_tag, content_tag = attr.tags["role_tag"], attr.tags["content_tag"]
+    if not isinstance(message, dict):
+        raise BadRow(
+            f"{key} column '{column}' must hold one message ({{'{role_tag}': ..., '{content_tag}': ...}}), "
+            f"got {type(message).__name__}"
+        )
+    tag = message.get(role_tag)
+    if _role_map(attr).get(tag) != "assistant":
+        raise BadRow(
+            f"{key} must be an assistant message ({role_tag}: {attr.tags.get('assistant_tag')!r}), "
+            f"got {role_tag}: {tag!r}"
+        )
+    return _answer_content(message, key, attr)
+
+
+def _answer_content(message: dict[str, Any], key: str, attr: DatasetAttr) -> str:
+    try:
+        return _message_content(message, 0, attr)
+    except BadRow:
+        content_tag = attr.tags["content_tag"]
+        got = message.get(content_tag)
+        got_words = "nothing" if got is None else type(got).__name__
+        raise BadRow(f"{key} must have text under '{content_tag}', got {got_words}") from None
+
+
+def to_feedback(row: dict[str, Any], attr: DatasetAttr, *, default_system: str | None = None) -> FeedbackRow:
+    """One kto row -> FeedbackRow, or BadRow: the conversation's last assistant turn is the judged answer."""
+    column = attr.column("kto_tag")
+    tag = row.get(column)
+    if tag is None:
+        raise BadRow(f"kto_tag column '{column}' is missing")
+    if not isinstance(tag, bool):
+        raise BadRow(f"kto_tag column '{column}' must be true or false, got {type(tag).__name__} {tag!r:.40}")
+    conv = to_conversation(row, attr, default_system=default_system)
+    answer = conv.messages.pop()
+    return FeedbackRow(conv, answer["content"], tag)

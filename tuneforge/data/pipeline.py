@@ -1,6 +1,8 @@
 """build(): dataset names -> tokenized train / eval splits, cached by the hash of everything they depend on.
 
 registry (rows) -> encode (stage encoder, per dataset) -> mix -> eval split -> packing -> cache.
+The preference stages (rm, dpo: encode_pref.encode_pairwise; kto: encode_pref.encode_feedback) are never
+packed: their objectives compare whole sequences.
 """
 
 from __future__ import annotations
@@ -13,12 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuneforge.data import cache, encode, formats, packing, registry, template
+from tuneforge.data import cache, encode, encode_pref, formats, packing, registry, template
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
 from tuneforge.paths import tuneforge_home
 
 logger = logging.getLogger(__name__)
+
+ENCODE_FUNCTIONS = {
+    "pretrain": encode.encode_pretrain,
+    "supervised": encode.encode_supervised,
+    "pairwise": encode_pref.encode_pairwise,
+    "feedback": encode_pref.encode_feedback,
+}
 
 
 @dataclass
@@ -44,7 +53,10 @@ class _Plan:
         for attr in self.train_attrs + self.eval_attrs:
             registry.check_supported(attr)
             encode.check_stage(attr, self.stage)
-        self.chat = template.resolve_template(cfg.model.template, tokenizer) if self.stage == "sft" else None
+        self.encoder = encode.ENCODERS[self.stage].name
+        self.chat = (
+            template.resolve_template(cfg.model.template, tokenizer) if self.encoder != "pretrain" else None
+        )
         self.settings = encode.EncodeSettings(
             stage=self.stage,
             cutoff_len=d.cutoff_len,
@@ -53,7 +65,9 @@ class _Plan:
             default_system=d.default_system,
             skip_bad_rows=d.skip_bad_rows,
         )
-        self.packing = bool(d.neat_packing) or (d.packing if d.packing is not None else self.stage == "pt")
+        self.packing = self.encoder not in encode.PREFERENCE_ENCODERS and (
+            bool(d.neat_packing) or (d.packing if d.packing is not None else self.stage == "pt")
+        )
         self.key = self._key()
 
     def _key(self) -> str:
@@ -78,6 +92,8 @@ class _Plan:
             "default_system": d.default_system,
             "skip_bad_rows": d.skip_bad_rows,
         }
+        if self.encoder == "feedback":  # the KL pairs are drawn within each batch of each worker's shard
+            material["kl_batches"] = [d.preprocessing_batch_size, d.preprocessing_num_workers]
         return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def fingerprint(self, *parts: str) -> str:
@@ -110,17 +126,17 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         "settings": plan.settings,
         "row_numbers": row_numbers,
     }
-    if plan.stage == "sft":
+    if plan.chat is not None:
         fn_kwargs["chat"] = plan.chat
     encoded = raw.map(
-        encode.encode_supervised if plan.stage == "sft" else encode.encode_pretrain,
+        ENCODE_FUNCTIONS[plan.encoder],
         batched=True,
         with_indices=True,
         batch_size=d.preprocessing_batch_size,
         num_proc=d.preprocessing_num_workers,
         remove_columns=raw.column_names,
         fn_kwargs=fn_kwargs,
-        features=encode.encoded_features(plan.stage),
+        features=_encoded_features(plan),
         new_fingerprint=plan.fingerprint(attr.name, "encode"),
         load_from_cache_file=False,
         desc=f"encoding {attr.name}",
@@ -160,6 +176,12 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
             f"fix the rows or raise cutoff_len"
         )
     return kept
+
+
+def _encoded_features(plan: _Plan) -> Any:
+    if plan.encoder in encode.PREFERENCE_ENCODERS:
+        return encode_pref.encoded_features(plan.encoder)
+    return encode.encoded_features(plan.stage)
 
 
 def _mix(plan: _Plan, parts: list[Any]) -> Any:
@@ -214,19 +236,25 @@ def _rows(plan: _Plan, samples: Any, split: str) -> Any:
 
 
 def _token_counts(ds: Any) -> dict[str, int]:
-    """Rows, tokens and supervised tokens (labels the loss uses: every label but each row's first)."""
+    """Rows, tokens and supervised tokens (labels the loss uses: every label but each sequence's first).
+
+    Preference rows hold several sequences (chosen_ / rejected_, or the answer and kl_): all are counted,
+    as the model runs on all of them.
+    """
     import pyarrow.compute as pc
 
+    prefixes = [p for p in ("", "chosen_", "rejected_", "kl_") if f"{p}input_ids" in ds.column_names]
     rows = tokens = supervised = 0
     for table in ds.with_format("arrow").iter(batch_size=10_000):
-        labels = table["labels"]
         rows += table.num_rows
-        tokens += pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0
-        flat = pc.list_flatten(labels)
-        first = pc.list_element(labels, 0)
-        supervised += (pc.sum(pc.not_equal(flat, encode.IGNORE_INDEX)).as_py() or 0) - (
-            pc.sum(pc.not_equal(first, encode.IGNORE_INDEX)).as_py() or 0
-        )
+        for prefix in prefixes:
+            labels = table[f"{prefix}labels"]
+            tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
+            flat = pc.list_flatten(labels)
+            first = pc.list_element(labels, 0)
+            supervised += (pc.sum(pc.not_equal(flat, encode.IGNORE_INDEX)).as_py() or 0) - (
+                pc.sum(pc.not_equal(first, encode.IGNORE_INDEX)).as_py() or 0
+            )
     return {"rows": rows, "tokens": tokens, "supervised_tokens": supervised}
 
 
@@ -323,39 +351,58 @@ def mark_supervised(tokenizer: Any, input_ids: list[int], labels: list[int]) -> 
     return "".join(out)
 
 
-def _preview_rows(plan: _Plan, attr: DatasetAttr, count: int) -> list[tuple[list[int], list[int]]]:
-    import datasets
-
+def _preview_head(plan: _Plan, attr: DatasetAttr, count: int) -> tuple[dict[str, list], list[int]]:
     raw = registry.load_raw(attr, plan.cfg.data.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
     formats.check_columns(attr, raw.column_names, plan.stage)
     head = raw.select(range(min(len(raw), max(4 * count, 16))))[:]
-    indices = list(range(len(head[raw.column_names[0]])))
-    if plan.stage == "sft":
-        enc = encode.encode_supervised(
-            head, indices, tokenizer=plan.tokenizer, chat=plan.chat, attr=attr, settings=plan.settings
+    return head, list(range(len(head[raw.column_names[0]])))
+
+
+def _preview_texts(plan: _Plan, attr: DatasetAttr, count: int) -> list[str]:
+    """Up to `count` samples of one dataset, rendered with their supervised spans marked."""
+    import datasets
+
+    head, indices = _preview_head(plan, attr, count)
+    tok = plan.tokenizer
+    if plan.encoder == "pretrain":
+        enc = encode.encode_pretrain(head, indices, tokenizer=tok, attr=attr, settings=plan.settings)
+        docs = [ids for ids, s in zip(enc["input_ids"], enc["_status"], strict=True) if s in encode.KEPT]
+        pieces = packing.sequential_pieces(
+            [len(x) for x in docs], plan.cfg.data.cutoff_len, across_documents=plan.packing
         )
-        kept = [i for i, s in enumerate(enc["_status"]) if s in encode.KEPT]
-        return [(enc["input_ids"][i], enc["labels"][i]) for i in kept]
-    enc = encode.encode_pretrain(head, indices, tokenizer=plan.tokenizer, attr=attr, settings=plan.settings)
-    docs = [ids for ids, s in zip(enc["input_ids"], enc["_status"], strict=True) if s in encode.KEPT]
-    pieces = packing.sequential_pieces(
-        [len(x) for x in docs], plan.cfg.data.cutoff_len, across_documents=plan.packing
+        rows = packing.assemble_batch(
+            {"pieces": pieces[:count]},
+            source=datasets.Dataset.from_dict({"input_ids": docs}),
+            packed=plan.packing,
+        )
+        return [
+            mark_supervised(tok, i, lab) for i, lab in zip(rows["input_ids"], rows["labels"], strict=True)
+        ]
+    enc = ENCODE_FUNCTIONS[plan.encoder](
+        head, indices, tokenizer=tok, chat=plan.chat, attr=attr, settings=plan.settings
     )
-    rows = packing.assemble_batch(
-        {"pieces": pieces[:count]},
-        source=datasets.Dataset.from_dict({"input_ids": docs}),
-        packed=plan.packing,
-    )
-    return list(zip(rows["input_ids"], rows["labels"], strict=True))
+    kept = [i for i, s in enumerate(enc["_status"]) if s in encode.KEPT][:count]
+
+    def marked(prefix: str, i: int) -> str:
+        return mark_supervised(tok, enc[f"{prefix}input_ids"][i], enc[f"{prefix}labels"][i])
+
+    if plan.encoder == "pairwise":
+        return [f"[chosen]\n{marked('chosen_', i)}\n[rejected]\n{marked('rejected_', i)}" for i in kept]
+    if plan.encoder == "feedback":
+        tags = {1: "[kto_tag: true (desirable)]", 0: "[kto_tag: false (undesirable)]"}
+        return [f"{tags[enc['kto_tag'][i]]}\n{marked('', i)}" for i in kept]
+    return [marked("", i) for i in kept]
 
 
 def preview(cfg: Any, tokenizer: Any, n: int = 3) -> list[str]:
-    """The first n training samples (before packing) as text, supervised tokens between ⟦ and ⟧."""
+    """The first n training samples (before packing) as text, supervised tokens between ⟦ and ⟧.
+
+    A ranking sample shows its chosen and its rejected rendering; a kto sample its tag and rendering.
+    """
     plan = _Plan(cfg, tokenizer)
     out: list[str] = []
     for attr in plan.train_attrs + plan.eval_attrs:
-        for ids, labels in _preview_rows(plan, attr, n - len(out)):
-            out.append(mark_supervised(tokenizer, ids, labels))
-            if len(out) == n:
-                return out
+        out += _preview_texts(plan, attr, n - len(out))
+        if len(out) >= n:
+            return out[:n]
     return out

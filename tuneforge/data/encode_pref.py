@@ -1,0 +1,221 @@
+"""The preference stages' encoders: ranking rows (rm, dpo) and feedback rows (kto) -> token rows.
+
+Each sequence is the prompt plus one answer, rendered by the chat template as one conversation, so its
+tokens are exactly `apply_chat_template`'s. Only the final assistant turn learns (its content and
+end-of-turn marker, as sft supervises a turn); answers earlier in the prompt do not.
+
+The sequences of one row (chosen and rejected; or the judged answer and the KL pair) share their prompt
+tokens and are cut together: one prompt budget and one answer budget, from split_budget with the longest
+answer as the target, so both sequences keep the same prompt. A row where any answer's supervised part is
+cut away is dropped (status "dropped"), as sft drops a sample with nothing left to learn.
+
+Row layouts (the batch contract with the objectives):
+  pairwise: chosen_{input_ids,labels,attention_mask}, rejected_{input_ids,labels,attention_mask}
+  feedback: {input_ids,labels,attention_mask} (prompt + this row's answer), kl_{...} (the same prompt +
+            another row's answer: the KL pair), kto_tag (1 desirable, 0 undesirable)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tuneforge.data import formats, template
+from tuneforge.data.encode import (
+    IGNORE_INDEX,
+    EncodeSettings,
+    bad_row_error,
+    batch_rows,
+    source_row,
+    split_budget,
+)
+from tuneforge.data.formats import BadRow, Conversation
+from tuneforge.data.registry import DatasetAttr
+
+# the column prefix of each sequence of a row, in the order the collator lays them out
+SEQUENCE_PREFIXES = {"pairwise": ("chosen_", "rejected_"), "feedback": ("", "kl_")}
+# the reference log-prob column that goes with each prefix (written when they are precomputed)
+REF_LOGP_COLUMNS = {
+    "chosen_": "ref_chosen_logps",
+    "rejected_": "ref_rejected_logps",
+    "": "ref_logps",
+    "kl_": "ref_kl_logps",
+}
+
+
+@dataclass
+class Rendered:
+    """One tokenized prompt + answer, and where the answer's supervised tokens are."""
+
+    ids: list[int]
+    start: int  # first token of the final assistant turn's span (content + end-of-turn marker)
+    end: int  # one past its last token
+
+
+def shared_prompt_len(seqs: list[Rendered]) -> int:
+    """How many leading tokens all sequences share, stopping where the first answer begins.
+
+    With a template that separates turns, this is exactly the prompt; where BPE merges the prompt's last
+    characters with an answer's first, the differing token goes to each answer's side.
+    """
+    limit = min(s.start for s in seqs)
+    first = seqs[0].ids
+    n = 0
+    while n < limit and all(s.ids[n] == first[n] for s in seqs[1:]):
+        n += 1
+    return n
+
+
+def build_group(seqs: list[Rendered], cutoff_len: int) -> tuple[list[tuple[list[int], list[int]]], str]:
+    """The sequences of one row -> [(input_ids, labels)] truncated together to cutoff_len, and the status."""
+    p = shared_prompt_len(seqs)
+    prompt = seqs[0].ids[:p]
+    answers = [s.ids[p:] for s in seqs]
+    answer_labels = [
+        [t if s.start <= p + j < s.end else IGNORE_INDEX for j, t in enumerate(a)]
+        for s, a in zip(seqs, answers, strict=True)
+    ]
+    longest = max(len(a) for a in answers)
+    keep_prompt, keep_answer = split_budget(len(prompt), longest, cutoff_len)
+    out = [
+        (prompt[:keep_prompt] + a[:keep_answer], [IGNORE_INDEX] * keep_prompt + labels[:keep_answer])
+        for a, labels in zip(answers, answer_labels, strict=True)
+    ]
+    # the first label is never predicted (nothing comes before it), so it cannot keep a sequence alive
+    if any(all(label == IGNORE_INDEX for label in labels[1:]) for _, labels in out):
+        return [([], []) for _ in seqs], "dropped"
+    truncated = keep_prompt < len(prompt) or keep_answer < longest
+    return out, "ok_truncated" if truncated else "ok"
+
+
+def render_answer(
+    tokenizer: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str
+) -> tuple[str, tuple[int, int]]:
+    """The text of prompt + the assistant's answer, and the character span of that answer's turn."""
+    conv = Conversation(
+        system=prompt.system,
+        tools=prompt.tools,
+        messages=[dict(m) for m in prompt.messages] + [{"role": "assistant", "content": answer}],
+    )
+    text, spans = template.render(tokenizer, chat, conv)
+    return text, spans[-1]
+
+
+def tokenize_answers(tokenizer: Any, rendered: list[tuple[str, tuple[int, int]]]) -> list[Rendered]:
+    if not rendered:
+        return []
+    all_ids, all_offsets = template.tokenize_rendered(tokenizer, [text for text, _ in rendered])
+    out = []
+    for (_, span), ids, offsets in zip(rendered, all_ids, all_offsets, strict=True):
+        ((start, end),) = template.token_spans(offsets, [span])
+        out.append(Rendered(ids, start, end))
+    return out
+
+
+def _empty_columns(prefixes: tuple[str, ...], n: int) -> dict[str, list]:
+    return {f"{p}{c}": [[] for _ in range(n)] for p in prefixes for c in ("input_ids", "labels")}
+
+
+def _store(out: dict[str, list], prefixes: tuple[str, ...], i: int, group: list[tuple[list, list]]) -> None:
+    for prefix, (ids, labels) in zip(prefixes, group, strict=True):
+        out[f"{prefix}input_ids"][i], out[f"{prefix}labels"][i] = ids, labels
+
+
+def _finish(out: dict[str, list], prefixes: tuple[str, ...], status: list[str]) -> dict[str, list]:
+    for prefix in prefixes:
+        out[f"{prefix}attention_mask"] = [[1] * len(ids) for ids in out[f"{prefix}input_ids"]]
+    out["_status"] = status
+    return out
+
+
+def encode_pairwise(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: Any,
+    chat: template.ChatTemplate,
+    attr: DatasetAttr,
+    settings: EncodeSettings,
+    row_numbers: list[int] | None = None,
+) -> dict[str, list]:
+    """rm / dpo: prompt + chosen and prompt + rejected, sharing the prompt tokens."""
+    rendered: list[tuple[int, list[tuple[str, tuple[int, int]]]]] = []
+    status = ["bad"] * len(indices)
+    for i, row in enumerate(batch_rows(batch)):
+        try:
+            pair = formats.to_pairwise(row, attr, default_system=settings.default_system)
+            texts = [render_answer(tokenizer, chat, pair.prompt, a) for a in (pair.chosen, pair.rejected)]
+        except BadRow as e:
+            if not settings.skip_bad_rows:
+                raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
+            continue
+        rendered.append((i, texts))
+    prefixes = SEQUENCE_PREFIXES["pairwise"]
+    out = _empty_columns(prefixes, len(indices))
+    seqs = tokenize_answers(tokenizer, [t for _, texts in rendered for t in texts])
+    for k, (i, _) in enumerate(rendered):
+        group, status[i] = build_group(seqs[2 * k : 2 * k + 2], settings.cutoff_len)
+        _store(out, prefixes, i, group)
+    return _finish(out, prefixes, status)
+
+
+def encode_feedback(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: Any,
+    chat: template.ChatTemplate,
+    attr: DatasetAttr,
+    settings: EncodeSettings,
+    row_numbers: list[int] | None = None,
+) -> dict[str, list]:
+    """kto: prompt + the judged answer, its tag, and the KL pair: the same prompt + another row's answer.
+
+    Within this batch, the k-th good row takes the answer of the (k + 1)-th (the last takes the first's; a
+    batch with one good row pairs it with itself). Deterministic, so reference log-probs can be cached.
+    """
+    parsed: list[tuple[int, formats.FeedbackRow, tuple[str, tuple[int, int]]]] = []
+    status = ["bad"] * len(indices)
+
+    def bad(i: int, e: BadRow) -> None:
+        if not settings.skip_bad_rows:
+            raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
+
+    for i, row in enumerate(batch_rows(batch)):
+        try:
+            fb = formats.to_feedback(row, attr, default_system=settings.default_system)
+            parsed.append((i, fb, render_answer(tokenizer, chat, fb.prompt, fb.completion)))
+        except BadRow as e:
+            bad(i, e)
+    pairs: list[tuple[int, formats.FeedbackRow, list[tuple[str, tuple[int, int]]]]] = []
+    for k, (i, fb, own) in enumerate(parsed):
+        other = parsed[(k + 1) % len(parsed)][1].completion
+        try:  # both halves rendered on their own; a template could still refuse the mix
+            pairs.append((i, fb, [own, render_answer(tokenizer, chat, fb.prompt, other)]))
+        except BadRow as e:
+            bad(i, e)
+    prefixes = SEQUENCE_PREFIXES["feedback"]
+    out = _empty_columns(prefixes, len(indices))
+    out["kto_tag"] = [0] * len(indices)
+    seqs = tokenize_answers(tokenizer, [t for _, _, texts in pairs for t in texts])
+    for k, (i, fb, _) in enumerate(pairs):
+        group, status[i] = build_group(seqs[2 * k : 2 * k + 2], settings.cutoff_len)
+        _store(out, prefixes, i, group)
+        out["kto_tag"][i] = int(fb.desirable)
+    return _finish(out, prefixes, status)
+
+
+def encoded_features(encoder: str) -> Any:
+    """The column types the pairwise / feedback encoder's map returns."""
+    import datasets
+
+    ints = datasets.List(datasets.Value("int32"))
+    cols: dict[str, Any] = {}
+    for prefix in SEQUENCE_PREFIXES[encoder]:
+        cols[f"{prefix}input_ids"] = ints
+        cols[f"{prefix}labels"] = ints
+        cols[f"{prefix}attention_mask"] = datasets.List(datasets.Value("int8"))
+    if encoder == "feedback":
+        cols["kto_tag"] = datasets.Value("int8")
+    cols["_status"] = datasets.Value("string")
+    return datasets.Features(cols)
