@@ -11,6 +11,23 @@ os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.environ.get("TMPDIR", "/tm
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _os_environ_stays_the_process_environment():
+    """Put the original os.environ object back after each test.
+
+    datasets' Dataset.map with num_proc >= 1 (our preprocessing_num_workers) replaces os.environ with a deep
+    copy of itself (arrow_dataset.py: `prev_env = deepcopy(os.environ)` ... `os.environ = prev_env`).
+    monkeypatch undoes a setenv on the object it patched, the old one, so the copy kept the test's value for
+    the rest of the session: a data test's private TUNEFORGE_HOME reached tests/model/test_hub.py.
+    Autouse fixtures are set up first and torn down last, so this runs after monkeypatch has undone its
+    changes on the original object (and, through it, on the process environment).
+    """
+    environ = os.environ
+    yield
+    if os.environ is not environ:
+        os.environ = environ  # noqa: B003 (the object itself is what we restore)
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     """The built-in SmolLM2-135M-Instruct folder (converted once into tuneforge's cache)."""

@@ -147,6 +147,28 @@ def test_pissa_keeps_the_output_and_moves_the_base(make_cfg, tiny_model_dir, bat
     assert (after - before).abs().max() > 1e-3  # the principal part moved into A and B
 
 
+@pytest.mark.parametrize("dtype_key", [{}, {"bf16": True}], ids=["fp32", "bf16"])
+def test_resumed_pissa_run_rebuilds_the_same_residual_from_its_initial_adapter(make_cfg, tmp_path, dtype_key):
+    keys = {"finetuning_type": "lora", "lora_rank": 4, "pissa_init": True, "pissa_iter": 2, **dtype_key}
+    torch.manual_seed(0)
+    first = load_model(make_cfg(**keys))
+    out = tmp_path / "out"
+    first.save_pretrained(out / "pissa_init")  # as the trainer does at the start of a run
+    (out / "checkpoint-3").mkdir()
+    torch.manual_seed(1)  # another randomized SVD would give another residual
+    resumed = load_model(make_cfg(**keys, output_dir=str(out), resume_from_checkpoint=True))
+    expected = first.state_dict()
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert expected[q_proj].dtype == (torch.bfloat16 if dtype_key else torch.float32)
+    assert resumed.state_dict().keys() == expected.keys()
+    for name, value in resumed.state_dict().items():
+        assert torch.equal(value, expected[name]), name  # bit for bit, bf16 residuals too
+    assert resumed.peft_config["default"].init_lora_weights == "pissa_niter_2"
+    torch.manual_seed(1)
+    fresh = load_model(make_cfg(**keys))
+    assert not torch.equal(fresh.state_dict()[q_proj], expected[q_proj])
+
+
 def test_additional_target_embeddings_stay_tied_through_save_and_load(make_cfg, tmp_path, batch):
     model = load_model(make_cfg(finetuning_type="lora", lora_target="q_proj", additional_target="embed_tokens"))
     assert "base_model.model.model.embed_tokens.modules_to_save.default.weight" in trainable_names(model)

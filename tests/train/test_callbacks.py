@@ -96,6 +96,30 @@ def test_info_line_per_logging_step_without_a_terminal(run):
     assert "step 1/6" not in text and "eval at step 3: eval_loss" in text
 
 
+def test_steps_after_the_last_logging_multiple_are_logged_once_at_the_end(tmp_path, tiny_model_dir, caplog):
+    # rows of one length, one per step: every step has the same token count, so a window's loss (their
+    # token-weighted mean) is the plain mean of its steps' losses
+    data = random_dataset([7] * 10)
+
+    def lines(logging_steps: int) -> list[dict]:
+        out = tmp_path / f"every-{logging_steps}"
+        cfg = make_cfg(out, tiny_model_dir, per_device_train_batch_size=1, max_steps=10,
+                       logging_steps=logging_steps)
+        Trainer(cfg, load_model(tiny_model_dir), None, data, None, collate).train()
+        return [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+
+    per_step = lines(1)
+    with caplog.at_level(logging.INFO, logger="tuneforge"):
+        windows = lines(4)
+    assert [line["current_steps"] for line in windows] == [4, 8, 10]
+    losses = [line["loss"] for line in per_step]
+    assert windows[1]["loss"] == pytest.approx(sum(losses[4:8]) / 4, abs=1e-6)
+    assert windows[2]["loss"] == pytest.approx((losses[8] + losses[9]) / 2, abs=1e-6)
+    assert windows[2]["grad_norm"] == pytest.approx(per_step[9]["grad_norm"], abs=1e-6)
+    assert windows[2]["epoch"] == 1.0 and windows[2]["percentage"] == 100.0
+    assert caplog.text.count("step 10/10 (100%)") == 1 and caplog.text.count("step 8/10 (80%)") == 1
+
+
 def test_plots_are_pngs(run):
     out, _, _ = run
     for name in (LOSS_PLOT, EVAL_LOSS_PLOT):

@@ -212,3 +212,70 @@ def test_resume_from_a_folder_that_is_not_a_checkpoint(tmp_path, tiny_model_dir)
     cfg = run_cfg(tmp_path / "out", tiny_model_dir, resume_from_checkpoint=str(tmp_path / "somewhere"))
     with pytest.raises(TrainingError, match="somewhere is not a tuneforge checkpoint"):
         Trainer(cfg, load_model(tiny_model_dir), None, random_dataset(LENGTHS), None, collate).train()
+
+
+# ---------------------------------------------------------------- full resume through weight conversions
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    """A tiny random Mixtral: transformers 5 fuses its experts in memory (mlp.experts.gate_up_proj) and
+    save_pretrained writes them back per expert (block_sparse_moe.experts.N.w1 / w3), so the names differ."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=True,
+    )
+    out = tmp_path_factory.mktemp("tiny-mixtral")
+    MixtralForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_full_weights_saved_under_checkpoint_names_load_back_in_place(tmp_path, tiny_moe_dir):
+    from safetensors.torch import load_file
+
+    from tuneforge.train.checkpoint import load_trainable_weights
+
+    saved_model = load_model(tiny_moe_dir)
+    saved_model.save_pretrained(tmp_path)
+    on_disk = set(load_file(tmp_path / "model.safetensors"))
+    in_memory = set(saved_model.state_dict())
+    assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in on_disk - in_memory
+    assert "model.layers.0.mlp.experts.gate_up_proj" in in_memory - on_disk
+
+    model = load_model(tiny_moe_dir)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_()
+    model.model.layers[0].self_attn.requires_grad_(False)  # as freeze leaves it
+    before = dict(model.named_parameters())
+    load_trainable_weights(tmp_path, model)
+    assert_same_weights(model.state_dict(), saved_model.state_dict(), atol=0)
+    # filled in place: the optimizer's tensors, requires_grad and the tied head are the same objects
+    assert all(before[name] is param for name, param in model.named_parameters())
+    assert not model.model.layers[0].self_attn.q_proj.weight.requires_grad
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_full_resume_of_a_model_saved_under_other_names_is_exact(tmp_path, tiny_moe_dir):
+    data = random_dataset(LENGTHS)
+    first = load_model(tiny_moe_dir, seed=0)
+    Trainer(run_cfg(tmp_path / "a", tiny_moe_dir), first, None, data, None, collate).train()
+    shutil.copytree(tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4")
+    second = load_model(tiny_moe_dir, seed=1)
+    with torch.no_grad():
+        for param in second.parameters():
+            param.normal_()
+    cfg = run_cfg(tmp_path / "b", tiny_moe_dir, resume_from_checkpoint=True)
+    Trainer(cfg, second, None, data, None, collate).train()
+    assert_same_weights(trainable_state(second), trainable_state(first))
+
+
+def test_full_checkpoint_of_another_architecture_is_refused(tmp_path, tiny_moe_dir, tiny_model_dir):
+    from tuneforge.train.checkpoint import load_trainable_weights
+
+    load_model(tiny_model_dir).save_pretrained(tmp_path)
+    with pytest.raises(TrainingError, match=r"checkpoint .* does not match the model \(unexpected: "):
+        load_trainable_weights(tmp_path, load_model(tiny_moe_dir))

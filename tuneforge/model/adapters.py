@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PEFT_TYPES = {"lora": "LORA", "oft": "OFT"}
+PISSA_INIT = "pissa_init"  # the folder tuneforge.train saves a PiSSA run's initial adapter in
 
 
 def apply_finetuning(model: PreTrainedModel, cfg: RunConfig) -> PreTrainedModel | PeftModel:
@@ -37,7 +38,7 @@ def apply_finetuning(model: PreTrainedModel, cfg: RunConfig) -> PreTrainedModel 
     if kind in PEFT_TYPES:
         if cfg.model.adapter_name_or_path:
             return continue_adapters(model, cfg)
-        return add_adapter(model, method)
+        return add_adapter(model, method, pissa_initial=pissa_initial_on_resume(cfg))
     raise ConfigError(f"finetuning_type '{kind}' is not one of full, freeze, lora, oft")
 
 
@@ -199,17 +200,106 @@ def adapter_config(model: nn.Module, method: MethodArgs):
     )
 
 
-def add_adapter(model: nn.Module, method: MethodArgs) -> nn.Module:
-    """Wrap the model in a fresh lora / oft adapter (only adapter weights and modules_to_save train)."""
+def add_adapter(model: nn.Module, method: MethodArgs, pissa_initial: Path | None = None) -> nn.Module:
+    """Wrap the model in a fresh lora / oft adapter (only adapter weights and modules_to_save train).
+
+    PiSSA (lora with pissa_init) is initialized by init_pissa, or, given pissa_initial (a resumed run's saved
+    initial adapter), rebuilt from it by restore_pissa_init instead of from a new SVD, which, randomized,
+    may not come out as the run's did."""
     from peft import get_peft_model
 
     config = adapter_config(model, method)
+    pissa = method.finetuning_type == "lora" and method.pissa_init
+    if pissa:
+        config.init_lora_weights = False  # PiSSA runs below, layer by layer
     logger.info("%s on %s%s", method.finetuning_type, ", ".join(sorted(config.target_modules)),
                 f", modules_to_save {config.modules_to_save}" if config.modules_to_save else "")
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as e:
         raise ConfigError(f"cannot add a {method.finetuning_type} adapter: {e}") from None
+    if pissa:
+        if pissa_initial is not None:
+            restore_pissa_init(model, pissa_initial)
+        else:
+            init_pissa(model, pissa_init_name(method.pissa_iter))
+        model.peft_config["default"].init_lora_weights = pissa_init_name(method.pissa_iter)
+    return model
+
+
+# ---------------------------------------------------------------- pissa
+
+
+def _lora_layers(model: PeftModel, adapter: str):
+    from peft.tuners.lora import LoraLayer
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer) and adapter in layer.lora_A:
+            yield name, layer
+
+
+@torch.no_grad()
+def init_pissa(model: PeftModel, init: str, adapter: str = "default") -> None:
+    """peft's own PiSSA init (LoraLayer.pissa_init), run on an fp32 copy of each weight, one layer at a time.
+
+    Through get_peft_model, peft computes the residual W - scaling·B0·A0 with fp32 A0, B0 and then rounds
+    A0, B0 to the base dtype: in bf16, residual + adapter is then not W, and the residual cannot be rebuilt
+    from the adapter. Here A0, B0 stay fp32 (the trainable dtype) and only the residual is rounded, as
+    restore_pissa_init rounds it: a resumed bf16 run rebuilds it bit for bit.
+    """
+    for _, layer in _lora_layers(model, adapter):
+        base = layer.get_base_layer()
+        dtype = base.weight.dtype
+        base.weight.data = base.weight.data.to(torch.float32)
+        layer.pissa_init(adapter, init)
+        base.weight.data = base.weight.data.to(dtype)
+
+
+def pissa_initial_on_resume(cfg: RunConfig) -> Path | None:
+    """When cfg resumes a PiSSA run: the initial adapter that run saved beside its checkpoints, if there."""
+    from tuneforge.config import checkpoints_in
+
+    method, resume = cfg.method, cfg.train.resume_from_checkpoint
+    if not method.pissa_init or method.finetuning_type != "lora" or resume is None or resume is False:
+        return None
+    if resume is True:
+        found = checkpoints_in(cfg.train.output_dir) if cfg.train.output_dir else []
+        if not found:
+            return None
+        resume = found[-1]
+    folder = Path(resume).parent / PISSA_INIT
+    if not (folder / "adapter_model.safetensors").is_file():
+        logger.warning("resuming a PiSSA run without %s: its residual base cannot be rebuilt", folder)
+        return None
+    logger.info("PiSSA: rebuilding the initial adapter and the residual base from %s", folder)
+    return folder
+
+
+@torch.no_grad()
+def restore_pissa_init(model: PeftModel, folder: Path, adapter: str = "default") -> None:
+    """Load the initial adapter (A0, B0) from folder and make each target weight W the residual
+    W - scaling·B0·A0, computed as peft's PiSSA init computes it (in fp32, then in the weight's dtype)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(folder / "adapter_model.safetensors")
+    result = set_peft_model_state_dict(model, saved, adapter_name=adapter)
+    missing = [k for k in result.missing_keys if f".{adapter}." in k]
+    if missing or result.unexpected_keys:
+        raise ModelError(f"the PiSSA initial adapter {folder} does not fit this model (missing "
+                         f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}); resume with the "
+                         f"settings of the run that saved it")
+    for name, layer in _lora_layers(model, adapter):
+        base = layer.get_base_layer()
+        flip = getattr(layer, "fan_in_fan_out", False)  # Conv1D-style weights are stored transposed
+        weight = base.weight.to(torch.float32)
+        weight = weight.T if flip else weight
+        delta = layer.scaling[adapter] * layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight
+        if delta.shape != weight.shape:
+            raise ModelError(f"cannot rebuild the PiSSA residual of {name}: its adapter makes "
+                             f"{tuple(delta.shape)}, its weight is {tuple(weight.shape)}")
+        residual = (weight - delta).to(base.weight.dtype)
+        base.weight.data = residual.T if flip else residual
 
 
 def continue_adapters(model: nn.Module, cfg: RunConfig) -> nn.Module:
@@ -229,7 +319,7 @@ def continue_adapters(model: nn.Module, cfg: RunConfig) -> nn.Module:
         model = _load_adapter(model, folder, trainable=False).merge_and_unload()
         logger.info("merged adapter %s into the base", folder)
     if method.create_new_adapter:
-        return add_adapter(model, method)
+        return add_adapter(model, method, pissa_initial=pissa_initial_on_resume(cfg))
     logger.info("continuing adapter %s (its own adapter_config.json sets rank and targets)", folders[-1])
     return _load_adapter(model, folders[-1], trainable=True)
 

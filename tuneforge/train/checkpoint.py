@@ -7,6 +7,7 @@ sibling folder and renamed into place, so a checkpoint-N folder, once it exists,
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 
 from tuneforge.config import RunConfig, checkpoints_in
 from tuneforge.errors import TrainingError
+from tuneforge.train import pissa
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +230,42 @@ def load_trainable_weights(folder: Path, model: torch.nn.Module) -> None:
         _check_keys(folder, saved, get_peft_model_state_dict(model, adapter_name=adapter), tied_ok=False)
         set_peft_model_state_dict(model, saved, adapter_name=adapter)
         return
-    saved = _read_safetensors(folder, "model")
+    saved = _in_memory_names(folder, model, _read_safetensors(folder, "model"))
     _check_keys(folder, saved, model.state_dict(), tied_ok=True)
     model.load_state_dict(saved, strict=False)  # tied weights share storage: the saved copy fills both
+
+
+def _in_memory_names(
+    folder: Path, model: torch.nn.Module, saved: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The saved weights under the model's own parameter names.
+
+    transformers' save_pretrained reverts its weight conversions (revert_weight_conversion): a model whose
+    checkpoints use other names or layouts than its modules (Mixtral's fused experts.gate_up_proj is saved as
+    per-expert w1 / w3) is written in the checkpoint layout. Reading it back goes through the conversion
+    from_pretrained applies (get_model_conversion_mapping + convert_and_load_state_dict_in_model), into a copy
+    of the model on the meta device; load_state_dict then copies the values into the real parameters in place,
+    which keeps the optimizer's references, requires_grad and tied weights.
+    """
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    if not isinstance(model, PreTrainedModel):
+        return saved
+    with torch.device("meta"):
+        shadow = type(model)(copy.deepcopy(model.config))
+    # the shadow's dtypes are the model's, so each converted tensor is materialized once, in its final dtype
+    meta_state = {k: v.to("meta") for k, v in model.state_dict().items()}
+    shadow.load_state_dict(meta_state, strict=False, assign=True)
+    config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(shadow))
+    info, _ = convert_and_load_state_dict_in_model(shadow, saved, config)
+    unexpected = sorted(info.unexpected_keys) + sorted(info.conversion_errors)  # saved, with no place here
+    shapes = sorted(key for key, *_ in info.mismatched_keys)
+    if unexpected or shapes:
+        raise _mismatch(folder, [], unexpected, shapes)
+    return {k: v for k, v in shadow.state_dict().items() if v.device.type != "meta"}
 
 
 def load_checkpoint(
@@ -257,11 +292,51 @@ def load_checkpoint(
     return TrainerState.load(folder / TRAINER_STATE)
 
 
-def save_final_model(model: torch.nn.Module, tokenizer: Any, output_dir: Path) -> None:
-    """save_pretrained into a temporary folder, then move file by file into output_dir (each a rename)."""
+def keep_pissa_init(
+    model: torch.nn.Module, output_dir: Path, resume_from: Path | None, *, write: bool
+) -> Path | None:
+    """output_dir/pissa_init for a PiSSA model (None for any other), before any step or checkpoint load.
+
+    A fresh run saves its initial adapter there. A resumed run checks that the model was rebuilt from the
+    initial adapter beside its checkpoint (so it trains on the same residual base) and copies that folder
+    into output_dir when it resumes from another folder. write: False on ranks other than the main one.
+    """
+    name = pissa.pissa_adapter_name(model)
+    if name is None:
+        return None
+    target = output_dir / pissa.PISSA_INIT
+    if resume_from is not None:
+        initial = resume_from.parent / pissa.PISSA_INIT
+        pissa.check_rebuilt_from(model, name, initial, resume_from)
+        if write and initial.resolve() != target.resolve():
+            with atomic_dir(target) as tmp:
+                shutil.copytree(initial, tmp, dirs_exist_ok=True)
+        return target
+    if write:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_dir(target) as tmp:
+            pissa.save_initial_adapter(model, name, tmp)
+        logger.info("saved the initial PiSSA adapter to %s (for the final conversion and resume)", target)
+    return target
+
+
+def save_final_model(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    output_dir: Path,
+    pissa_init: Path | None = None,
+    pissa_convert: bool = True,
+) -> None:
+    """save_pretrained into a temporary folder, then move file by file into output_dir (each a rename).
+
+    With pissa_init (the run's initial PiSSA adapter) the adapter is saved converted for the original base
+    model, or, with pissa_convert false, as trained (for the residual base)."""
     tmp = output_dir / f"{TMP_PREFIX}final-model"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if pissa_init is not None:
+        pissa.save_adapter(model, tmp, pissa_init, convert=pissa_convert)
+    else:
+        model.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
