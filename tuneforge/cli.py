@@ -128,7 +128,10 @@ def cmd_env(_args) -> None:
         for i in range(torch.cuda.device_count()):
             print(f"device cuda:{i} {torch.cuda.get_device_name(i)} bf16={torch.cuda.is_bf16_supported()}")
     else:
-        print("device cpu (no CUDA device visible)")
+        from tuneforge.train.trainer import cpu_has_native_bf16
+
+        native = "native" if cpu_has_native_bf16() else "emulated, slow: prefer fp32"
+        print(f"device cpu (no CUDA device visible), {torch.backends.cpu.get_cpu_capability()}, bf16 {native}")
     print(f"threads {torch.get_num_threads()} (cpu count {os.cpu_count()})")
 
 

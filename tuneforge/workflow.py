@@ -1,11 +1,17 @@
 """One dispatch from stage to run: tokenizer -> data -> model -> the one Trainer -> outputs.
 
 A Stage is a row in STAGES, not a subclass: its encoder (chosen by the data package from
-cfg.method.stage) and its objective. Adding a stage = one encoder, one objective, one row.
+cfg.method.stage) and its objective (built by objectives.build_objective from the config). Adding a
+stage = one encoder, one objective, one row.
+
+Preference stages add two things around the same loop: rm wraps the model with a value head; dpo and
+kto get a reference (the policy with its adapters disabled for lora / oft, else a frozen model), whose
+log-probs can be precomputed once (precompute_ref_log_probs) so that no reference stays in memory.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import random
@@ -14,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.config import RunConfig
-from tuneforge.train.objectives import Objective, lm_objective
+from tuneforge.config.validate import uses_reference
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +28,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Stage:
     encoder: str  # the name of the data/encode.py encoder, for the docs and the log
-    objective: Objective
+    objective: str  # the objective objectives.build_objective makes for it
 
 
 STAGES: dict[str, Stage] = {
-    "pt": Stage(encoder="pretrain", objective=lm_objective),
-    "sft": Stage(encoder="supervised", objective=lm_objective),
+    "pt": Stage(encoder="pretrain", objective="lm"),
+    "sft": Stage(encoder="supervised", objective="lm"),
+    "rm": Stage(encoder="pairwise", objective="reward"),
+    "dpo": Stage(encoder="pairwise", objective="preference (pref_loss)"),
+    "kto": Stage(encoder="feedback", objective="kto"),
 }
 
 
@@ -56,11 +65,16 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
     from tuneforge.model.attention import supports_padding_free
+    from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
+    from tuneforge.train.objectives import build_objective
 
     stage = STAGES[cfg.method.stage]
     seed_everything(cfg.train.seed)
-    logger.info("stage %s: encoder %s, finetuning %s", cfg.method.stage, stage.encoder, cfg.method.finetuning_type)
+    logger.info(
+        "stage %s: encoder %s, objective %s, finetuning %s",
+        cfg.method.stage, stage.encoder, stage.objective, cfg.method.finetuning_type,
+    )
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
@@ -68,16 +82,73 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.data.padding_free and not padding_free:
         logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
                     type(model).__name__)
+    if cfg.method.stage == "rm":
+        model = ValueHeadModel(model)
     collator = Collator(tokenizer.pad_token_id, padding_free=padding_free)
-    trainer = Trainer(cfg, model, tokenizer, splits.train, splits.eval, collator, objective=stage.objective)
+    reference = build_reference(cfg) if uses_reference(cfg) else None
+    train_rows, eval_rows = splits.train, splits.eval
+    if reference is not None and cfg.method.precompute_ref_log_probs:
+        train_rows, eval_rows = precompute_reference(cfg, splits, reference, model, collator)
+        reference = None  # the objective reads the columns; a frozen reference model is freed here
+        gc.collect()
+    objective = build_objective(cfg, reference)
+    trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective)
     results = trainer.train()
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
 
 
-def loss_curve(output_dir: Path) -> dict[str, float]:
-    """First and last logged training loss, read back from trainer_log.jsonl."""
+def build_reference(cfg: RunConfig):
+    """The reference of dpo / kto: the policy without its adapters (lora / oft) or a frozen model."""
+    from tuneforge.train.objectives import AdapterReference, ModelReference
+
+    if cfg.method.ref_model is None and cfg.method.finetuning_type in ("lora", "oft"):
+        logger.info("reference: the policy with its adapters disabled (no second copy in memory)")
+        return AdapterReference()
+    from tuneforge.model import load_reference
+
+    return ModelReference(load_reference(cfg))
+
+
+def precompute_reference(cfg: RunConfig, splits, reference, model, collator):
+    """(train, eval) rows with the reference log-prob columns, from the cache or computed now."""
+    from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
+    from tuneforge.model import reference_identity
+    from tuneforge.train import precompute
+    from tuneforge.train.trainer import autocast_context
+
+    device = next(model.parameters()).device
+
+    def compute_split(rows):
+        return precompute.compute(
+            rows, reference, model, collator, batch_size=cfg.train.per_device_eval_batch_size,
+            device=device, autocast=lambda: autocast_context(cfg.train, device),
+        )
+
+    kind = "feedback" if cfg.method.stage == "kto" else "pairwise"
+    columns = tuple(REF_LOGP_COLUMNS[prefix] for prefix in SEQUENCE_PREFIXES[kind])
+    cache_dir = Path(splits.stats["cache_dir"])
+    with_ref = precompute.with_reference_logps(
+        {"train": splits.train, "eval": splits.eval}, columns, cache_dir, reference_identity(cfg), compute_split
+    )
+    return with_ref["train"], with_ref["eval"]
+
+
+# preference metrics whose first -> last logged values the summary shows
+CURVE_METRICS = ("rewards/accuracies", "rewards/margins")
+
+
+def loss_curve(output_dir: Path) -> dict[str, Any]:
+    """First and last logged training loss (and preference metrics), read back from trainer_log.jsonl."""
     log = output_dir / "trainer_log.jsonl"
     if not log.is_file():
         return {}
-    losses = [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r.get("loss") is not None]
-    return {"first_loss": losses[0], "last_loss": losses[-1]} if losses else {}
+    rows = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("loss") is not None]
+    if not rows:
+        return {}
+    curves = {}
+    for key in CURVE_METRICS:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            curves[key] = (values[0], values[-1])
+    out: dict[str, Any] = {"first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"]}
+    return {**out, "metric_curves": curves} if curves else out

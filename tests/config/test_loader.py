@@ -25,6 +25,15 @@ def test_yaml_file_and_overrides_with_types(tmp_path):
     assert cfg.source == str(path)
 
 
+def test_yaml_no_is_the_strategy_no(tmp_path):
+    """YAML 1.1 reads `eval_strategy: no` as False; LlamaFactory files write it that way."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"model_name_or_path: m\ndataset: d\noutput_dir: {tmp_path / 'o'}\neval_strategy: no\n"
+                    "save_strategy: no\n")
+    cfg = load(path, ["eval_strategy=no"])
+    assert (cfg.train.eval_strategy, cfg.train.save_strategy) == ("no", "no")
+
+
 def test_json_file(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({**BASE, "output_dir": str(tmp_path / "o"), "cutoff_len": 256}))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from preference_helpers import pairwise_batch, pairwise_sequences
+from preference_helpers import PAD_ID, pairwise_batch, pairwise_sequences
 from train_helpers import load_model
 
 from tuneforge.model.value_head import ValueHeadModel
@@ -72,3 +72,51 @@ def test_one_step_raises_the_margin(reward_model):
         after = objective(reward_model, batch)
     assert float(after.loss_sum) < float(before.loss_sum.detach()) - 1e-3
     assert float(after.metrics["rewards/margins"]) > float(before.metrics["rewards/margins"])
+
+
+def pairwise_rows(pairs: int, seed: int = 0):
+    """A pairwise token dataset (the data pipeline's row layout) of random pairs."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(pairs):
+        (c_ids, c_labels), (r_ids, r_labels) = pairwise_sequences([3], [int(torch.randint(2, 6, (1,), generator=g))],
+                                                                  [4], seed=int(torch.randint(0, 10**6, (1,), generator=g)))
+        rows.append({"chosen_input_ids": c_ids, "chosen_labels": c_labels, "chosen_attention_mask": [1] * len(c_ids),
+                     "rejected_input_ids": r_ids, "rejected_labels": r_labels,
+                     "rejected_attention_mask": [1] * len(r_ids)})
+    return Dataset.from_list(rows)
+
+
+def test_resume_restores_the_value_head_and_adapter_exactly(tmp_path, tiny_model_dir):
+    """An rm run resumed from its step-2 checkpoint ends with the weights (adapter and value head) of the
+    run that was never interrupted; the output folder holds value_head.safetensors."""
+    import shutil
+
+    from train_helpers import make_cfg, trainable_state
+
+    from tuneforge.data.collate import Collator
+    from tuneforge.train import Trainer
+
+    data, collator = pairwise_rows(8), Collator(PAD_ID, padding_free=True)
+    keys = dict(stage="rm", finetuning_type="lora", max_steps=4, save_steps=2, save_strategy="steps",
+                learning_rate=1e-2)
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return ValueHeadModel(load_model(tiny_model_dir, lora={}, seed=seed))
+
+    first = model(0)
+    Trainer(make_cfg(tmp_path / "a", tiny_model_dir, **keys), first, None, data, None, collator,
+            objective=RewardObjective()).train()
+    assert (tmp_path / "a" / "value_head.safetensors").is_file()
+    assert (tmp_path / "a" / "checkpoint-2" / "value_head.safetensors").is_file()
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")
+    second = model(1)  # other initial weights: the checkpoint must restore all of them
+    Trainer(make_cfg(tmp_path / "b", tiny_model_dir, resume_from_checkpoint=True, **keys), second, None, data,
+            None, collator, objective=RewardObjective()).train()
+    expected, got = trainable_state(first), trainable_state(second)
+    assert any(name.startswith("v_head.") for name in expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=0)

@@ -290,3 +290,14 @@ def test_missing_reporter_package_fails_at_construction(tmp_path, tiny_model_dir
     else:
         Trainer(cfg, model, None, random_dataset([5]), None, collate).train()
         assert list((tmp_path / "out" / "runs").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, tiny_model_dir, caplog, monkeypatch, native):
+    from tuneforge.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: native)
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, bf16=True)
+    with caplog.at_level(logging.WARNING, logger="tuneforge"):
+        Trainer(cfg, load_model(tiny_model_dir), None, random_dataset([5]), None, collate)
+    assert ("is emulated" in caplog.text and "bf16: false" in caplog.text) is not native

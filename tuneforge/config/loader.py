@@ -131,6 +131,8 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"key '{key}': expected a string, got {value!r}")
+        if isinstance(value, bool):  # YAML 1.1 reads `eval_strategy: no` (and off / false) as False
+            return "yes" if value else "no"
         return str(value)
     raise AssertionError(f"unhandled type {tp} for {key}")
 

@@ -108,6 +108,10 @@ class ValueHeadModel(torch.nn.Module):
                     )
                 param.copy_(state[key].to(param.device, torch.float32))
 
+    def load_value_head_from(self, folder: str | Path) -> None:
+        """The value head saved in folder (a checkpoint or an rm output folder)."""
+        self.load_value_head_state(load_value_head(folder))
+
     def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
         """The wrapped model's usual save_pretrained (adapter or full model) plus value_head.safetensors."""
         folder = Path(save_directory)

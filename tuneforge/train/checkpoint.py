@@ -223,6 +223,10 @@ def load_trainable_weights(folder: Path, model: torch.nn.Module) -> None:
     """Put the checkpoint's weights into the model: the adapter for peft, the full state dict otherwise."""
     from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
+    if hasattr(model, "load_value_head_from"):  # a reward model: the wrapped model, then its value head
+        load_trainable_weights(folder, model.model)
+        model.load_value_head_from(folder)
+        return
     if isinstance(model, PeftModel):
         adapter = model.active_adapter
         sub = folder if adapter == "default" else folder / adapter

@@ -72,6 +72,23 @@ def count_tokens(rows: list[Mapping[str, Any]]) -> int:
     return total
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when oneDNN runs bf16 matrix products natively on this CPU (avx512_bf16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: say nothing rather than guess
+        return True
+
+
+def autocast_context(train_args: Any, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 / fp16 autocast as configured (also used to precompute reference log-probs the same way)."""
+    if train_args.bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if train_args.fp16:
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
 @dataclass
 class StepResult:
     loss_sum: float
@@ -91,8 +108,12 @@ class Window:
     units: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    grad_norm: float = 0.0  # of the window's last step, as logged
 
     def add(self, result: StepResult) -> None:
+        self.steps += 1
+        self.grad_norm = result.grad_norm
         self.loss_sum += result.loss_sum
         self.units += result.units
         add_into(self.metrics, result.metrics)
@@ -157,8 +178,15 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.fp16 and self.device.type == "cuda")
         if t.fp16 and self.device.type != "cuda":
             logger.warning("fp16 on %s runs without loss scaling; bf16 is the safer choice", self.device.type)
+        if t.bf16 and self.device.type == "cpu" and not cpu_has_native_bf16():
+            logger.warning(
+                "bf16 on this CPU (%s, without avx512_bf16 / AMX) is emulated: its matrix products can be "
+                "many times slower than fp32; set bf16: false to train in fp32 here",
+                torch.backends.cpu.get_cpu_capability(),
+            )
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
+        self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -176,7 +204,7 @@ class Trainer:
                 window.add(result)
                 step = self.state.global_step
                 if step % t.logging_steps == 0:
-                    self._log_train(window, result.grad_norm)
+                    self._log_train(window)
                     window = Window()
                 every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
                 if every_n or (t.eval_strategy == "epoch" and epoch_ended):
@@ -186,6 +214,8 @@ class Trainer:
                 self.progress.step(step)
                 if stop_reason is not None or step >= self.total_steps:
                     break
+        if window.steps:  # the steps after the last multiple of logging_steps
+            self._log_train(window)
         if stop_reason is not None:
             logger.info(
                 "%s; stopping at step %d of %d", stop_reason, self.state.global_step, self.total_steps
@@ -255,11 +285,7 @@ class Trainer:
         }
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.cfg.train.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        if self.cfg.train.fp16:
-            return torch.autocast(self.device.type, dtype=torch.float16)
-        return contextlib.nullcontext()
+        return autocast_context(self.cfg.train, self.device)
 
     def _accumulation_groups(self) -> Iterator[list[list[int]]]:
         """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time."""
@@ -349,11 +375,11 @@ class Trainer:
         return None
 
     # ---- logging, saving, outputs ---------------------------------------------------------------------
-    def _log_train(self, window: Window, grad_norm: float) -> None:
+    def _log_train(self, window: Window) -> None:
         s = self.state
         entry = {
             "loss": window.loss_sum / max(window.units, 1),
-            "grad_norm": grad_norm,
+            "grad_norm": window.grad_norm,
             "learning_rate": base_learning_rate(self.optimizer),
             "epoch": round(s.epoch_progress, 4),
         }
@@ -380,6 +406,8 @@ class Trainer:
     def _start(self) -> Path | None:
         """Resume (weights, optimizer, scheduler, RNG, data position) or seed a fresh run; open the logs."""
         folder = checkpoint.resume_folder(self.cfg)
+        # before the checkpoint's weights replace the initial adapter
+        self.pissa_init = checkpoint.keep_pissa_init(self.model, self.output_dir, folder, write=self.is_main)
         if folder is not None:
             parts = (self.model, self.optimizer, self.scheduler, self.scaler)
             self.state = checkpoint.load_checkpoint(folder, *parts)
@@ -443,7 +471,9 @@ class Trainer:
         self.reporters.close()
         if not self.is_main:
             return
-        checkpoint.save_final_model(self.model, self.tokenizer, self.output_dir)
+        checkpoint.save_final_model(
+            self.model, self.tokenizer, self.output_dir, self.pissa_init, self.cfg.method.pissa_convert
+        )
         checkpoint.write_results(self.output_dir, results, self.state)
         if self.cfg.train.plot_loss:
             callbacks.plot_losses(self.state.log_history, self.output_dir)
