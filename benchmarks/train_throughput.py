@@ -80,11 +80,14 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
     parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
     parser.add_argument("--peer", action="store_true", help=f"run {PEER_SCRIPT.name} after tuneforge, then compare")
+    parser.add_argument("--fp32", action="store_true",
+                        help="both systems in fp32 (for CPUs without native bf16, where bf16 is emulated)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     # ours first: its peak RSS is read from RUSAGE_CHILDREN, which the peer would raise
-    ours = run_tuneforge(args.workload, args.dataset_dir, args.overrides)
-    peer = run_peer(args.workload, args.dataset_dir) if args.peer else None
+    precision = ["bf16=false"] if args.fp32 else []
+    ours = run_tuneforge(args.workload, args.dataset_dir, [*precision, *args.overrides])
+    peer = run_peer(args.workload, args.dataset_dir, precision) if args.peer else None
     print(json.dumps(ours))
     if peer is not None:
         print(json.dumps(peer))
@@ -101,11 +104,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def run_peer(workload: str, dataset_dir: str) -> dict:
+def run_peer(workload: str, dataset_dir: str, extra: list[str]) -> dict:
     """LlamaFactory on the workload, on the built-in model's folder; samples/s from its train_results."""
     from tuneforge.model.hub import builtin_model_dir
 
-    cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), f"dataset_dir={dataset_dir}", *PEER_ARGS[workload]]
+    cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), f"dataset_dir={dataset_dir}", *PEER_ARGS[workload], *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"the peer failed ({done.returncode}):\n{done.stderr[-2000:]}")

@@ -301,3 +301,16 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, tiny_model_dir, caplo
     with caplog.at_level(logging.WARNING, logger="tuneforge"):
         Trainer(cfg, load_model(tiny_model_dir), None, random_dataset([5]), None, collate)
     assert ("is emulated" in caplog.text and "bf16: false" in caplog.text) is not native
+
+
+def test_eval_on_start_records_the_untrained_model(tmp_path, tiny_model_dir):
+    train, evals = random_dataset([6] * 4), random_dataset([5, 7], seed=3)
+    before = Trainer(make_cfg(tmp_path / "a", tiny_model_dir), load_model(tiny_model_dir), None, train, evals,
+                     collate).evaluate()
+    cfg = make_cfg(tmp_path / "b", tiny_model_dir, eval_on_start=True, eval_dataset=["e"], max_steps=2)
+    trainer = Trainer(cfg, load_model(tiny_model_dir), None, train, evals, collate)
+    trainer.train()
+    evaluations = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in evaluations] == [0, 2]
+    assert evaluations[0]["eval_loss"] == pytest.approx(before["eval_loss"], abs=1e-6)
+    assert evaluations[1]["eval_loss"] < evaluations[0]["eval_loss"]

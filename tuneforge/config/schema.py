@@ -139,6 +139,7 @@ class TrainArgs:
     save_total_limit: int | None = opt(help="keep at most N checkpoints")
     eval_strategy: str = opt("no", choices=("no", "steps", "epoch"), help="when to evaluate")
     eval_steps: int | None = opt(help="evaluate every N steps (default: logging_steps)")
+    eval_on_start: bool = opt(False, help="evaluate once before the first step (the untrained model's figures)")
     early_stopping_steps: int | None = opt(help="stop after N evaluations without a better eval_loss")
     resume_from_checkpoint: bool | str | None = opt(help="true: the latest checkpoint in output_dir; or a path")
     plot_loss: bool = opt(False, help="write training_loss.png (and training_eval_loss.png)")

@@ -109,6 +109,8 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     has_eval = bool(d.eval_dataset) or d.val_size > 0
     if t.eval_strategy != "no" and not has_eval:
         fail(f"eval_strategy {t.eval_strategy} needs evaluation data: set val_size or eval_dataset")
+    if t.eval_on_start and not has_eval:
+        fail("eval_on_start needs evaluation data: set val_size or eval_dataset")
     if t.early_stopping_steps is not None:
         if t.early_stopping_steps < 1:
             fail("early_stopping_steps must be >= 1")

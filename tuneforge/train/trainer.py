@@ -195,6 +195,8 @@ class Trainer:
         if self.micro_batches_per_epoch == 0:
             raise DataError(f"{self.cfg.source}: the training dataset is empty; check dataset / max_samples")
         resumed_from = self._start()
+        if t.eval_on_start and resumed_from is None:  # the untrained model's figures, to compare against
+            self._evaluate_and_track()
         self.model.train()
         window, stop_reason = Window(), None
         while self.state.global_step < self.total_steps and stop_reason is None:
