@@ -96,6 +96,7 @@ def test_precomputed_reference_gives_the_same_losses_and_is_reused(tmp_path, lf_
     again = tuneforge("train", *common, f"output_dir={tmp_path / 'again'}", "precompute_ref_log_probs=true")
     assert "reference log-probs (train" in again.stderr and "cache hit" in again.stderr
     assert "precomputing" not in again.stderr
+    assert "reference model:" in first.stderr and "reference model:" not in again.stderr  # not even loaded
 
 
 @pytest.mark.parametrize(

@@ -85,12 +85,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.method.stage == "rm":
         model = ValueHeadModel(model)
     collator = Collator(tokenizer.pad_token_id, padding_free=padding_free)
-    reference = build_reference(cfg) if uses_reference(cfg) else None
-    train_rows, eval_rows = splits.train, splits.eval
-    if reference is not None and cfg.method.precompute_ref_log_probs:
-        train_rows, eval_rows = precompute_reference(cfg, splits, reference, model, collator)
-        reference = None  # the objective reads the columns; a frozen reference model is freed here
+    train_rows, eval_rows, reference = splits.train, splits.eval, None
+    if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
+        # the objective reads the reference columns; a reference model, if one was loaded, is freed here
+        train_rows, eval_rows = precompute_reference(cfg, splits, model, collator)
         gc.collect()
+    elif uses_reference(cfg):
+        reference = build_reference(cfg)
     objective = build_objective(cfg, reference)
     trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective)
     results = trainer.train()
@@ -109,18 +110,22 @@ def build_reference(cfg: RunConfig):
     return ModelReference(load_reference(cfg))
 
 
-def precompute_reference(cfg: RunConfig, splits, reference, model, collator):
-    """(train, eval) rows with the reference log-prob columns, from the cache or computed now."""
+def precompute_reference(cfg: RunConfig, splits, model, collator):
+    """(train, eval) rows with the reference log-prob columns, from the cache or computed now (the
+    reference is built only when something is computed, so a cache hit loads no reference model)."""
     from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
     from tuneforge.model import reference_identity
     from tuneforge.train import precompute
     from tuneforge.train.trainer import autocast_context
 
     device = next(model.parameters()).device
+    built = []  # the reference, once a split needs it
 
     def compute_split(rows):
+        if not built:
+            built.append(build_reference(cfg))
         return precompute.compute(
-            rows, reference, model, collator, batch_size=cfg.train.per_device_eval_batch_size,
+            rows, built[0], model, collator, batch_size=cfg.train.per_device_eval_batch_size,
             device=device, autocast=lambda: autocast_context(cfg.train, device),
         )
 

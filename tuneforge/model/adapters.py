@@ -316,12 +316,12 @@ def continue_adapters(model: nn.Module, cfg: RunConfig) -> nn.Module:
                           "give a single adapter_name_or_path and create_new_adapter: false, or merge first "
                           "without quantization")
     for folder in to_merge:
-        model = _load_adapter(model, folder, trainable=False).merge_and_unload()
+        model = load_adapter(model, folder, trainable=False).merge_and_unload()
         logger.info("merged adapter %s into the base", folder)
     if method.create_new_adapter:
         return add_adapter(model, method, pissa_initial=pissa_initial_on_resume(cfg))
     logger.info("continuing adapter %s (its own adapter_config.json sets rank and targets)", folders[-1])
-    return _load_adapter(model, folders[-1], trainable=True)
+    return load_adapter(model, folders[-1], trainable=True)
 
 
 def _check_adapter_type(folder: Path, finetuning_type: str) -> None:
@@ -334,7 +334,7 @@ def _check_adapter_type(folder: Path, finetuning_type: str) -> None:
                           f"{finetuning_type}; set finetuning_type to match it")
 
 
-def _load_adapter(model: nn.Module, folder: Path, *, trainable: bool) -> nn.Module:
+def load_adapter(model: nn.Module, folder: Path, *, trainable: bool) -> nn.Module:
     from peft import PeftModel
 
     try:

@@ -11,7 +11,7 @@ import torch
 
 from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
-from tuneforge.model.adapters import _load_adapter, apply_finetuning, upcast_trainable_params
+from tuneforge.model.adapters import apply_finetuning, load_adapter, upcast_trainable_params
 from tuneforge.model.hub import resolve, resolve_adapter
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTra
     _use_packed_sdpa(model, cfg)
     for adapter in method.ref_model_adapters or []:
         folder = resolve_adapter(adapter, cache_dir=m.cache_dir, revision=m.model_revision)
-        model = _load_adapter(model, folder, trainable=False).merge_and_unload()
+        model = load_adapter(model, folder, trainable=False).merge_and_unload()
         logger.info("reference: merged adapter %s", folder)
     model.requires_grad_(False)
     model.eval()
