@@ -84,7 +84,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                     type(model).__name__)
     if cfg.method.stage == "rm":
         model = ValueHeadModel(model)
-    collator = Collator(tokenizer.pad_token_id, padding_free=padding_free)
+    collator = Collator(tokenizer.pad_token_id, padding_free=padding_free, share_prompts=shares_prompts(model))
     train_rows, eval_rows, reference = splits.train, splits.eval, None
     if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
         # the objective reads the reference columns; a reference model, if one was loaded, is freed here
@@ -96,6 +96,16 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective)
     results = trainer.train()
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
+
+
+def shares_prompts(model) -> bool:
+    """Whether a preference pair's two sequences can share one forward of their prompt: the model runs
+    tuneforge's padding-free sdpa, which reads `shared_prefix`, and has no sliding-window layers."""
+    from tuneforge.model.attention import PACKED_SDPA
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return config._attn_implementation == PACKED_SDPA and not sliding
 
 
 def build_reference(cfg: RunConfig):

@@ -42,13 +42,20 @@ def row_kind(row: dict[str, Any]) -> str:
 
 class Collator:
     def __init__(
-        self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: bool = False
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        padding_free: bool = False,
+        share_prompts: bool = False,
     ) -> None:
+        """share_prompts (with padding_free): a preference row's two sequences share one copy of their
+        prompt (see shared_prompt_batch); only for models whose attention reads `shared_prefix`."""
         if pad_token_id is None:
             raise ValueError("Collator needs a pad_token_id (the tokenizer's pad or eos token)")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.padding_free = padding_free
+        self.share_prompts = share_prompts and padding_free
 
     def _width(self, rows: list[dict[str, Any]]) -> int:
         width = max(len(r["input_ids"]) for r in rows)
@@ -94,6 +101,19 @@ class Collator:
 
     def _preference(self, rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
         prefixes = SEQUENCE_PREFIXES[kind]
+        if self.share_prompts:
+            batch = shared_prompt_batch(rows, prefixes)
+        else:
+            batch = self._separate(rows, prefixes)
+        if kind == "feedback":
+            batch["kto_tags"] = torch.tensor([int(r["kto_tag"]) for r in rows], dtype=torch.long)
+        ref = _ref_logps(rows, prefixes)
+        if ref is not None:
+            batch["ref_logps"] = ref
+        return batch
+
+    def _separate(self, rows: list[dict[str, Any]], prefixes: tuple[str, str]) -> dict[str, Any]:
+        """The 2B sequences one after another (padded rows, or back to back when padding-free)."""
         sequences = [
             {
                 "input_ids": r[f"{p}input_ids"],
@@ -107,12 +127,62 @@ class Collator:
         lengths = torch.tensor([len(s["input_ids"]) for s in sequences], dtype=torch.long)
         width = batch["input_ids"].shape[1]
         batch["sequence_ids"], batch["sequence_ends"] = sequence_layout(lengths, width, self.padding_free)
-        if kind == "feedback":
-            batch["kto_tags"] = torch.tensor([int(r["kto_tag"]) for r in rows], dtype=torch.long)
-        ref = _ref_logps(rows, prefixes)
-        if ref is not None:
-            batch["ref_logps"] = ref
         return batch
+
+
+def shared_prefix_len(first: tuple[list, list], second: tuple[list, list]) -> int:
+    """Leading tokens both sequences share, none of them a target (so their hidden states serve both);
+    at least one token of each sequence stays its own."""
+    (ids_a, labels_a), (ids_b, labels_b) = first, second
+    limit = min(len(ids_a), len(ids_b)) - 1
+    n = 0
+    while n < limit and ids_a[n] == ids_b[n] and labels_a[n] == IGNORE_INDEX == labels_b[n]:
+        n += 1
+    return n
+
+
+def shared_prompt_batch(rows: list[dict[str, Any]], prefixes: tuple[str, str]) -> dict[str, Any]:
+    """B preference rows -> one padding-free row where each row's two sequences share their prompt.
+
+    Row b becomes [prompt, rest of sequence A, rest of sequence B]; B's position ids continue from the
+    prompt, and `shared_prefix` (start, prompt, rest A, rest B per row) tells the attention that B sees the
+    prompt but not A. The prompt's tokens are computed once instead of twice. Because one position can now
+    predict a token of either sequence, the supervised targets are listed explicitly: `target_positions`
+    (the row index of the hidden state that predicts each target), `target_ids`, `target_sequences` (its
+    sequence, 0..2B-1 in the contract's order: all A's, then all B's); `sequence_ends` as usual.
+    """
+    count = len(rows)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    groups, ends = [], [0] * (2 * count)
+    target_positions: list[int] = []
+    target_ids: list[int] = []
+    target_sequences: list[int] = []
+    for b, r in enumerate(rows):
+        pair = [(list(r[f"{p}input_ids"]), list(r[f"{p}labels"])) for p in prefixes]
+        (ids_a, _), (ids_b, _) = pair
+        shared, start = shared_prefix_len(*pair), len(input_ids)
+        input_ids += ids_a + ids_b[shared:]
+        positions += list(range(len(ids_a))) + list(range(shared, len(ids_b)))
+        groups.append([start, shared, len(ids_a) - shared, len(ids_b) - shared])
+        for k, (ids, labels) in enumerate(pair):
+            own = start if k == 0 else start + len(ids_a) - shared  # token j >= shared sits at own + j
+            where = [start + j if j < shared else own + j for j in range(len(ids))]  # each token's row index
+            for j in range(1, len(ids)):
+                if labels[j] != IGNORE_INDEX:
+                    target_positions.append(where[j - 1])
+                    target_ids.append(labels[j])
+                    target_sequences.append(k * count + b)
+            ends[k * count + b] = where[-1]
+    return {
+        "input_ids": torch.tensor([input_ids], dtype=torch.long),
+        "position_ids": torch.tensor([positions], dtype=torch.long),
+        "shared_prefix": torch.tensor(groups, dtype=torch.long),
+        "sequence_ends": torch.tensor(ends, dtype=torch.long),
+        "target_positions": torch.tensor(target_positions, dtype=torch.long),
+        "target_ids": torch.tensor(target_ids, dtype=torch.long),
+        "target_sequences": torch.tensor(target_sequences, dtype=torch.long),
+    }
 
 
 def flatten(rows: list[dict[str, Any]]) -> dict[str, Any]:

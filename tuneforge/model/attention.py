@@ -6,8 +6,13 @@ reads). Plain sdpa would attend over the whole row under a block-diagonal mask: 
 N tokens, most of it masked out. This implementation runs sdpa's causal kernel on each sequence
 instead (sum of n_i^2 / 2), which is what flash-attention's varlen kernel does on a GPU.
 
-It is registered with transformers as PACKED_SDPA. Calls without `cu_seq_lens_q` (generation, padded
-batches) and sliding-window layers take transformers' own sdpa path with its mask, unchanged.
+It also runs *shared-prompt* rows (`shared_prefix`), the layout a preference batch takes when its two
+answers to one prompt go through the model together: [prompt, answer A, answer B] with answer B's position
+ids continuing from the prompt, so the prompt is computed once instead of twice. Each group's prompt +
+answer A is one causal sequence; answer B attends to the prompt and causally to itself, never to answer A.
+
+It is registered with transformers as PACKED_SDPA. Calls without `cu_seq_lens_q` or `shared_prefix`
+(generation, padded batches) and sliding-window layers take transformers' own sdpa path with its mask.
 """
 
 from __future__ import annotations
@@ -15,14 +20,20 @@ from __future__ import annotations
 import torch
 
 PACKED_SDPA = "tuneforge_packed_sdpa"
+SHARED_PREFIX = "shared_prefix"  # (groups, 4) long: start, prompt length, answer A length, answer B length
 # the keywords of a padding-free batch that the model forwards down to its attention
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", SHARED_PREFIX)
 
 
 def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                   is_causal=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    groups = kwargs.pop(SHARED_PREFIX, None)
+    if groups is not None:
+        if kwargs.get("sliding_window") or query.shape[0] != 1:
+            raise ValueError("shared-prompt rows need one flattened row and layers without a sliding window")
+        return _shared_prefix_attention(module, query, key, value, groups, dropout, scaling, **kwargs)
     bounds = kwargs.get("cu_seq_lens_q")  # sdpa_attention_forward ignores the varlen keywords
     if bounds is None or kwargs.get("sliding_window") or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -34,6 +45,27 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
         for s, e in zip(edges[:-1], edges[1:], strict=True)
     ]
     return torch.cat(pieces, dim=1), None  # (1, N, heads, head_dim), as sdpa_attention_forward returns
+
+
+def _shared_prefix_attention(module, query, key, value, groups, dropout, scaling, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(q, k, v, mask):
+        return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
+                                      is_causal=mask is None, **kwargs)[0]
+
+    pieces = []
+    for start, prompt, first, second in groups.tolist():
+        a_end = start + prompt + first
+        pieces.append(attend(query[:, :, start:a_end], key[:, :, start:a_end], value[:, :, start:a_end], None))
+        if second:
+            b_end = a_end + second
+            keys = torch.cat([key[:, :, start : start + prompt], key[:, :, a_end:b_end]], dim=2)
+            values = torch.cat([value[:, :, start : start + prompt], value[:, :, a_end:b_end]], dim=2)
+            # answer B's i-th token sees the whole prompt and B's tokens up to itself
+            visible = torch.ones(second, prompt + second, dtype=torch.bool, device=query.device).tril(prompt)
+            pieces.append(attend(query[:, :, a_end:b_end], keys, values, visible[None, None]))
+    return torch.cat(pieces, dim=1), None
 
 
 def register() -> None:

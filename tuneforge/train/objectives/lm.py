@@ -28,7 +28,8 @@ from tuneforge.train.objectives import ObjectiveOutput
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                "max_length_k", "shared_prefix")
 # elements of one fp32 logits chunk: 2**25 floats = 128 MiB, ~680 tokens of a 49k vocabulary
 CHUNK_ELEMENTS = 2**25
 # config keys of heads that transform logits after the projection: those models use their own forward

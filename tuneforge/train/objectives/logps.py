@@ -1,7 +1,9 @@
 """Per-sequence log-probabilities of a collated pairwise / feedback batch, without all the logits at once.
 
 A preference batch holds S sequences (chosen then rejected, or completion then KL), padded (S, T) or
-padding-free (1, N); `sequence_ids` names the sequence of every token. For each sequence this sums
+padding-free (1, N); `sequence_ids` names the sequence of every token. In a shared-prompt batch (the two
+sequences of a row share one copy of their prompt) the targets are listed explicitly instead:
+`target_positions` (the hidden state predicting each), `target_ids` and `target_sequences`. For each sequence this sums
 log p(token) over its supervised targets (next-token, as lm.supervised_positions defines them) and
 counts those targets. The vocabulary projection, log_softmax and gather run in fp32 chunks under
 activation checkpointing (as lm.py's cross-entropy does), so only one chunk of logits ever exists; the
@@ -90,10 +92,14 @@ def sequence_logps(
     """
     if head not in HEAD_PATHS:
         raise ValueError(f"head must be one of {HEAD_PATHS}, not {head!r}")
-    keep = supervised_positions(batch)
-    targets = batch["labels"][:, 1:][keep[:, :-1]]
-    # the position that predicts a target is in the target's own sequence (boundaries are never targets)
-    owners = batch["sequence_ids"][keep]
+    if "target_positions" in batch:  # shared prompts: one position may predict targets of two sequences
+        keep = (0, batch["target_positions"])
+        targets, owners = batch["target_ids"], batch["target_sequences"]
+    else:
+        keep = supervised_positions(batch)
+        targets = batch["labels"][:, 1:][keep[:, :-1]]
+        # the position that predicts a target is in the target's own sequence (boundaries are never targets)
+        owners = batch["sequence_ids"][keep]
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if head == "fused" or (head == "auto" and can_fuse_head(model)):
         projection = model.get_output_embeddings()
@@ -101,8 +107,11 @@ def sequence_logps(
         vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
         token_logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab))
     else:
+        explicit = isinstance(keep, tuple)
         if _accepts_logits_to_keep(model):
-            logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
+            logits = model(**inputs, logits_to_keep=keep[1] if explicit else keep, use_cache=False).logits
+            if explicit:  # (1, targets, vocab): the kept positions, in target order
+                logits = logits[0]
         else:
             logits = model(**inputs, use_cache=False).logits
         if logits.dim() == 3:  # the model returned every position
