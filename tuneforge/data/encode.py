@@ -75,6 +75,13 @@ def bad_row_error(attr: DatasetAttr, row_index: int, problem: str) -> DataError:
     )
 
 
+def stop_unless_skipping(error: Exception, attr: DatasetAttr, settings: EncodeSettings, row_index: int) -> None:
+    """A bad row stops the run, naming the dataset and row, unless skip_bad_rows (the caller then skips it
+    and its status counts it)."""
+    if not settings.skip_bad_rows:
+        raise bad_row_error(attr, row_index, str(error)) from None
+
+
 def row_features(packed: bool) -> Any:
     """The column types of token rows (int32 ids and labels keep the cache small)."""
     import datasets
@@ -223,8 +230,7 @@ def encode_supervised(
             conv = formats.to_conversation(row, attr, default_system=settings.default_system)
             text, spans = template.render(tokenizer, chat, conv)
         except BadRow as e:
-            if not settings.skip_bad_rows:
-                raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
+            stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue
         rendered.append((i, text, spans))
     out: dict[str, list] = {"input_ids": [[] for _ in indices], "labels": [[] for _ in indices]}
@@ -256,8 +262,7 @@ def encode_pretrain(
         try:
             text = formats.to_document(row, attr)
         except BadRow as e:
-            if not settings.skip_bad_rows:
-                raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
+            stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             texts.append("")
             status.append("bad")
             continue

@@ -24,10 +24,10 @@ from tuneforge.data import formats, template
 from tuneforge.data.encode import (
     IGNORE_INDEX,
     EncodeSettings,
-    bad_row_error,
     batch_rows,
     source_row,
     split_budget,
+    stop_unless_skipping,
 )
 from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.data.registry import DatasetAttr
@@ -146,8 +146,7 @@ def encode_pairwise(
             pair = formats.to_pairwise(row, attr, default_system=settings.default_system)
             texts = [render_answer(tokenizer, chat, pair.prompt, a) for a in (pair.chosen, pair.rejected)]
         except BadRow as e:
-            if not settings.skip_bad_rows:
-                raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
+            stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue
         rendered.append((i, texts))
     prefixes = SEQUENCE_PREFIXES["pairwise"]
@@ -178,8 +177,7 @@ def encode_feedback(
     status = ["bad"] * len(indices)
 
     def bad(i: int, e: BadRow) -> None:
-        if not settings.skip_bad_rows:
-            raise bad_row_error(attr, source_row(indices, i, row_numbers), str(e)) from None
+        stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
 
     for i, row in enumerate(batch_rows(batch)):
         try:
