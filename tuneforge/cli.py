@@ -13,6 +13,10 @@ from tuneforge.errors import TuneforgeError
 USAGE = """\
 tuneforge train CONFIG [key=value ...]        train (pt, sft) as CONFIG (YAML or JSON) says
 tuneforge preprocess CONFIG [key=value ...]   tokenize and cache the data only (saves tokenized_path if set)
+tuneforge chat CONFIG [key=value ...]         chat with the model (and adapter) in the terminal
+tuneforge api CONFIG [key=value ...]          serve it behind an OpenAI-compatible API (API_HOST, API_PORT, API_KEY)
+tuneforge export CONFIG [key=value ...]       merge the adapter into the base; write export_dir (or a GGUF file)
+tuneforge eval CONFIG [key=value ...]         loss / perplexity, generated answers (BLEU, ROUGE), or a benchmark (task)
 tuneforge data preview CONFIG [-n N]          show rendered samples with the supervised spans marked
 tuneforge env                                 versions, device, threads
 tuneforge version
@@ -50,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _config_args(sub.add_parser("train", help="train a model"))
     _config_args(sub.add_parser("preprocess", help="tokenize and cache the data"))
+    chat = sub.add_parser("chat", help="chat with the model in the terminal")
+    _config_args(chat)
+    chat.add_argument("--system", help="system prompt (default: default_system from the config)")
+    api = sub.add_parser("api", help="OpenAI-compatible API server")
+    _config_args(api)
+    api.add_argument("--host", help="address to listen on (default: $API_HOST, else 0.0.0.0)")
+    api.add_argument("--port", type=int, help="port (default: $API_PORT, else 8000)")
+    _config_args(sub.add_parser("export", help="merge and export the model"))
+    _config_args(sub.add_parser("eval", help="evaluate the model"))
     data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
     preview = data.add_parser("preview", help="rendered samples, supervised spans marked")
     _config_args(preview)
@@ -110,6 +123,57 @@ def cmd_data_preview(args) -> None:
         print(f"--- sample {i} (supervised spans between ⟦ and ⟧) ---\n{text}\n")
 
 
+def cmd_chat(args) -> None:
+    from tuneforge.config import load
+
+    cfg = load(args.config, args.overrides, for_training=False)
+    from tuneforge.infer.chat import chat_loop
+
+    def write(text: str) -> None:
+        print(text, end="", flush=True)
+
+    chat_loop(cfg, system=args.system, read=input, write=write)
+
+
+def cmd_api(args) -> None:
+    from tuneforge.config import load
+    from tuneforge.errors import ConfigError
+
+    cfg = load(args.config, args.overrides, for_training=False)
+    host = args.host or os.environ.get("API_HOST") or "0.0.0.0"
+    port = args.port
+    if port is None:
+        raw = os.environ.get("API_PORT") or "8000"
+        if not raw.isdigit() or not 0 < int(raw) < 65536:
+            raise ConfigError(f"API_PORT={raw!r} is not a port number (1-65535)")
+        port = int(raw)
+    from tuneforge.infer.api import serve
+
+    serve(cfg, host=host, port=port, api_key=os.environ.get("API_KEY") or None)
+
+
+def cmd_export(args) -> None:
+    from tuneforge.config import load
+
+    cfg = load(args.config, args.overrides, for_training=False)
+    from tuneforge.export import export_model
+
+    result = export_model(cfg)
+    for line in result.get("summary", []):
+        print(line)
+
+
+def cmd_eval(args) -> None:
+    from tuneforge.config import load
+
+    cfg = load(args.config, args.overrides, for_training=False)
+    from tuneforge.eval import evaluate
+
+    result = evaluate(cfg)
+    for line in result.get("summary", []):
+        print(line)
+
+
 def cmd_env(_args) -> None:
     import importlib.metadata as md
     import platform
@@ -141,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tuneforge {__version__}")
         return 0
     _setup_logging(args.verbose)
-    command = {"train": cmd_train, "preprocess": cmd_preprocess, "env": cmd_env}.get(args.command)
+    command = {
+        "train": cmd_train, "preprocess": cmd_preprocess, "chat": cmd_chat, "api": cmd_api,
+        "export": cmd_export, "eval": cmd_eval, "env": cmd_env,
+    }.get(args.command)
     if args.command == "data":
         command = cmd_data_preview
     try:

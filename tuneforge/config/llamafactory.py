@@ -4,7 +4,6 @@ A LlamaFactory file must load unchanged, so every key it may carry is in one of 
 our schema (same name, same meaning), IGNORED (accepted: it changes nothing here), or
 NOT_YET (an error that says tuneforge does not support it yet; never silently dropped).
 """
-
 # key -> why it changes nothing in tuneforge
 IGNORED: dict[str, str] = {
     "ddp_timeout": "processes wait on their own timeout",
@@ -36,24 +35,21 @@ IGNORED: dict[str, str] = {
     "overwrite_cache_dir": "see overwrite_cache",
     "preprocessing_only": "use `tuneforge preprocess`",
     "disable_version_check": "no version check",
+    "download_mode": "benchmarks are read from task_dir; nothing is downloaded",
 }
-
 # LlamaFactory keys that would change the result and that tuneforge does not implement yet.
 NOT_YET: tuple[str, ...] = (
     # model
     "adapter_folder", "resize_vocab", "split_special_tokens", "add_tokens", "add_special_tokens",
     "new_special_tokens_config", "rope_scaling", "shift_attn", "mixture_of_depths", "use_unsloth",
     "use_unsloth_gc", "enable_liger_kernel", "moe_aux_loss_coef", "use_reentrant_gc",
-    "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch", "infer_backend",
-    "offload_folder", "use_cache", "infer_dtype", "hf_hub_token", "ms_hub_token", "om_hub_token",
+    "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch",
+    "offload_folder", "use_cache", "hf_hub_token", "ms_hub_token", "om_hub_token",
     "quantization_device_map", "compute_dtype", "device_map", "model_max_length", "block_diag_attn",
     "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps",
     "video_maxlen", "audio_sampling_rate", "use_audio_in_video", "crop_to_patches",
-    "export_dir", "export_size", "export_device", "export_quantization_bit",
-    "export_quantization_dataset", "export_quantization_nsamples", "export_quantization_maxlen",
-    "export_legacy_format", "export_hub_model_id", "vllm_maxlen", "vllm_gpu_util",
-    "vllm_enforce_eager", "vllm_max_lora_rank", "vllm_config", "sglang_maxlen",
-    "sglang_mem_fraction", "sglang_tp_size", "sglang_config", "sglang_lora_backend",
+    "export_quantization_bit", "export_quantization_dataset", "export_quantization_nsamples",
+    "export_quantization_maxlen", "export_hub_model_id", "sglang_maxlen", "sglang_mem_fraction", "sglang_tp_size", "sglang_config", "sglang_lora_backend",
     # data
     "media_dir", "streaming", "buffer_size", "eval_num_beams", "eval_on_each_dataset",
     "tool_format", "enable_thinking",
@@ -73,10 +69,8 @@ NOT_YET: tuple[str, ...] = (
     "reward_model_quantization_bit", "reward_model_type", "ld_alpha", "use_ray",
     "ray_run_name", "ray_storage_path", "ray_storage_filesystem", "ray_num_workers",
     "resources_per_worker", "placement_strategy", "ray_init_kwargs",
-    # generation / training
-    "do_sample", "temperature", "top_p", "top_k", "num_beams", "max_length", "max_new_tokens",
-    "repetition_penalty", "length_penalty", "skip_special_tokens", "do_predict",
-    "predict_with_generate", "eval_accumulation_steps", "eval_delay", "tf32", "data_seed",
+    # training
+    "eval_accumulation_steps", "eval_delay", "tf32", "data_seed",
     "local_rank", "ddp_backend", "dataloader_drop_last", "label_names", "load_best_model_at_end",
     "metric_for_best_model", "greater_is_better", "ignore_data_skip", "fsdp", "fsdp_config",
     "deepspeed", "label_smoothing_factor", "optim_args", "group_by_length", "push_to_hub",

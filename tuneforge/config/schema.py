@@ -31,6 +31,10 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_wi
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 FLASH_ATTN = ("auto", "disabled", "sdpa", "fa2", "eager")
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+INFER_BACKENDS = ("huggingface", "vllm")
+INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXPORT_FORMATS = ("safetensors", "gguf")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass
@@ -145,9 +149,61 @@ class TrainArgs:
     plot_loss: bool = opt(False, help="write training_loss.png (and training_eval_loss.png)")
     report_to: list[str] = opt(["none"], help="none, tensorboard, wandb")
     disable_tqdm: bool = opt(False, help="no progress bar")
+    do_predict: bool = opt(False, help="generate answers for the eval set (with predict_with_generate)")
+    predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
 
 
-GROUPS = {"model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs}
+@dataclass
+class GenerateArgs:
+    """How chat, api and eval generate text (LlamaFactory's generating arguments and defaults)."""
+
+    do_sample: bool = opt(True, help="sample; false = greedy decoding")
+    temperature: float = opt(0.95, help="sampling temperature (0 = greedy)")
+    top_p: float = opt(0.7, help="nucleus sampling: keep the smallest set of tokens with this much probability")
+    top_k: int = opt(50, help="sample among the k most likely tokens (0 = no limit)")
+    num_beams: int = opt(1, help="beam search width (1 = no beam search)")
+    max_length: int = opt(1024, help="maximum prompt + answer tokens (max_new_tokens wins when set)")
+    max_new_tokens: int = opt(1024, help="maximum tokens of an answer")
+    repetition_penalty: float = opt(1.0, help="> 1 discourages repeating tokens")
+    length_penalty: float = opt(1.0, help="beam search: exponent of the length normalization")
+    skip_special_tokens: bool = opt(True, help="drop special tokens from generated text")
+    infer_backend: str = opt("huggingface", choices=INFER_BACKENDS, help="generation engine: huggingface or vllm")
+    infer_dtype: str = opt("auto", choices=INFER_DTYPES, help="weights' dtype for inference (auto: bf16/fp16 on GPU, fp32 on CPU)")
+    vllm_maxlen: int = opt(4096, help="vllm: maximum sequence length (prompt + answer)")
+    vllm_gpu_util: float = opt(0.7, help="vllm: share of GPU memory to use (0-1)")
+    vllm_enforce_eager: bool = opt(False, help="vllm: disable CUDA graphs")
+    vllm_max_lora_rank: int = opt(32, help="vllm: largest LoRA rank to serve")
+    vllm_config: dict = opt({}, help="vllm: extra engine arguments")
+
+
+@dataclass
+class ExportArgs:
+    """`tuneforge export`: merge the adapters into the base and write a plain Hugging Face (or GGUF) model."""
+
+    export_dir: str | None = opt(help="where the exported model goes")
+    export_size: int = opt(5, help="largest safetensors shard, in GB")
+    export_device: str = opt("cpu", choices=("cpu", "auto"), help="where to merge: cpu, or auto (the accelerator)")
+    export_legacy_format: bool = opt(False, help="write pytorch_model.bin instead of safetensors")
+    export_format: str = opt("safetensors", choices=EXPORT_FORMATS, help="safetensors (a HF folder) or gguf (one file)")
+    export_gguf_type: str = opt("f16", choices=GGUF_TYPES, help="gguf: tensor type f32, f16, bf16 or q8_0")
+
+
+@dataclass
+class EvalArgs:
+    """`tuneforge eval` on a multiple-choice benchmark (MMLU layout) in task_dir."""
+
+    task: str | None = opt(help="benchmark and split, e.g. mmlu_test (task_dir/mmlu, its test split)")
+    task_dir: str = opt("evaluation", help="folder holding the benchmark folders")
+    batch_size: int = opt(4, help="questions per forward pass")
+    lang: str = opt("en", choices=("en", "zh"), help="language of the prompt wording")
+    n_shot: int = opt(5, help="solved examples (from the dev split) before each question")
+    save_dir: str | None = opt(help="folder for the results files (default: output_dir, else eval_<task>)")
+
+
+GROUPS = {
+    "model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs,
+    "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs,
+}
 
 
 @dataclass
@@ -156,6 +212,9 @@ class RunConfig:
     method: MethodArgs = field(default_factory=MethodArgs)
     data: DataArgs = field(default_factory=DataArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
+    generate: GenerateArgs = field(default_factory=GenerateArgs)
+    export: ExportArgs = field(default_factory=ExportArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
     source: str = "<overrides>"  # the file the config came from, for messages
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""Load a trained model to use it: chat, api, eval and export all start here.
+
+The config is the training one: model_name_or_path plus adapter_name_or_path (the adapter folders a
+lora / oft run saved). Adapters are merged into the base in memory (faster generation, and the same
+numbers up to rounding), except over a quantized base, which cannot take a merge: there the model stays
+a PeftModel. A reward model (an rm output folder: value_head.safetensors beside the adapter or model)
+comes back wrapped in a ValueHeadModel.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuneforge.errors import ConfigError
+from tuneforge.model.adapters import load_adapter
+from tuneforge.model.hub import resolve_adapter
+from tuneforge.model.load import (
+    _from_pretrained,
+    default_device,
+    load_config,
+    quantization_config,
+    resolve_model_path,
+)
+from tuneforge.model.value_head import VALUE_HEAD_FILE, attach_value_head
+
+if TYPE_CHECKING:
+    from tuneforge.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def inference_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    """infer_dtype, or for `auto`: on CUDA the checkpoint's own dtype (bf16 falls back to fp16 where the
+    GPU lacks it), on CPU fp32 (bf16 / fp16 matmuls are emulated, and slow, on most CPUs)."""
+    name = cfg.generate.infer_dtype
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    config = load_config(resolve_model_path(cfg.model), cfg.model)
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    saved = DTYPES.get(saved, saved) if isinstance(saved, str) else saved
+    if saved == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return saved if saved in DTYPES.values() else torch.float32
+
+
+def adapter_folders(cfg: RunConfig) -> list[Path]:
+    m = cfg.model
+    return [resolve_adapter(a, cache_dir=m.cache_dir, revision=m.model_revision) for a in m.adapter_name_or_path or []]
+
+
+def value_head_folder(cfg: RunConfig) -> Path | None:
+    """The folder whose value_head.safetensors makes this a reward model (the last adapter, else the model)."""
+    adapters = adapter_folders(cfg)
+    folder = adapters[-1] if adapters else resolve_model_path(cfg.model)
+    return folder if (folder / VALUE_HEAD_FILE).is_file() else None
+
+
+def load_inference_model(
+    cfg: RunConfig,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    merge: bool = True,
+    value_head: bool | None = None,
+):
+    """The model of cfg in eval mode with its KV cache on, adapters merged (unless the base is quantized
+    or merge=False). value_head: True = require one, False = never, None = attach it when the folder has one."""
+    m = cfg.model
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    path = resolve_model_path(m)
+    adapters = adapter_folders(cfg)  # a missing folder fails before the weights load
+    head = value_head_folder(cfg)
+    if value_head and head is None:
+        where = adapters[-1] if adapters else path
+        raise ConfigError(f"{where} has no {VALUE_HEAD_FILE}: point the config at the output folder of a stage rm "
+                          f"run (adapter_name_or_path for lora / oft, model_name_or_path for full / freeze)")
+    dtype = dtype or inference_dtype(cfg, device)
+    quant = quantization_config(m, dtype)
+    if quant is not None and len(adapters) > 1:
+        raise ConfigError(f"quantization_bit {m.quantization_bit}: a quantized base cannot take merged adapters, "
+                          f"so only one adapter can be applied (got {len(adapters)}); drop quantization_bit")
+    model = _from_pretrained(path, load_config(path, m), m, dtype=dtype, quant=quant, device=device)
+    for folder in adapters:
+        model = load_adapter(model, folder, trainable=False)
+        if merge and quant is None:
+            model = model.merge_and_unload()
+    model.requires_grad_(False)
+    model.eval()
+    model.config.use_cache = True
+    if value_head is not False and head is not None:
+        model = attach_value_head(model, head)
+        model.eval()
+    logger.info(
+        "loaded %s%s for inference: dtype %s, device %s%s", path,
+        "".join(f" + {a}" for a in adapters), str(dtype).removeprefix("torch."), device,
+        ", value head" if head is not None and value_head is not False else "",
+    )
+    return model
+
