@@ -1,0 +1,112 @@
+"""What generating text needs from the config and the chat template: the prompt tokens, where an answer
+stops, and the sampling settings. Shared by chat, the API server, eval and the quick-start question.
+
+An answer stops at the chat template's end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `</s>`), found by
+rendering a one-turn conversation and reading what the template writes after the assistant's text; the
+tokenizer's eos_token often differs from it (SmolLM2: eos `<|endoftext|>`, end of turn `<|im_end|>`), and a
+fine-tuned model that is only stopped at eos runs on past its answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tuneforge.data.template import ChatTemplate, parse_tools, resolve_template
+from tuneforge.errors import DataError
+
+if TYPE_CHECKING:
+    from tuneforge.config import GenerateArgs, RunConfig
+
+_ANSWER = "\x00tuneforge-answer\x00"
+
+
+@dataclass(frozen=True)
+class Stops:
+    token_ids: tuple[int, ...]  # eos and the template's end-of-turn tokens
+    strings: tuple[str, ...]  # end-of-turn text that is not one special token (a template on plain text)
+
+
+def chat_template(cfg: RunConfig, tokenizer: Any) -> ChatTemplate:
+    """The template training used: cfg.model.template, else the tokenizer's own."""
+    return resolve_template(cfg.model.template, tokenizer)
+
+
+def end_of_turn(tokenizer: Any, template: ChatTemplate) -> Stops:
+    """The tokens (and text) that end an assistant turn under this template, plus eos."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ANSWER}]
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template.source, tokenize=False)
+    except Exception as e:  # a template may refuse this conversation; eos still stops
+        raise DataError(f"the chat template cannot render a one-turn conversation: {e}") from None
+    marker = text[text.find(_ANSWER) + len(_ANSWER):].strip() if _ANSWER in text else ""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
+    }
+    strings: list[str] = []
+    if marker:
+        marker_ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        if marker_ids and all(i in special for i in marker_ids):
+            ids += marker_ids  # e.g. <|im_end|>, or <|eot_id|>
+        elif marker_ids and marker_ids[0] in special:
+            ids.append(marker_ids[0])  # e.g. `</s>` followed by plain text the template adds
+        else:
+            strings.append(marker)
+    return Stops(tuple(dict.fromkeys(ids)), tuple(strings))
+
+
+def render_prompt(
+    tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | str | None = None
+) -> list[int]:
+    """Token ids of a conversation up to the assistant's next turn (tokenized as training tokenizes)."""
+    if isinstance(tools, str):
+        tools = parse_tools(tools)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, chat_template=template.source, tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def generate_kwargs(gen: GenerateArgs, tokenizer: Any, stops: Stops) -> dict[str, Any]:
+    """Keyword arguments for `model.generate` from the generation keys (temperature 0 means greedy)."""
+    sample = gen.do_sample and gen.temperature > 0
+    kwargs: dict[str, Any] = dict(
+        do_sample=sample, num_beams=gen.num_beams, repetition_penalty=gen.repetition_penalty,
+        max_new_tokens=gen.max_new_tokens, eos_token_id=list(stops.token_ids),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops.token_ids[0],
+    )
+    if sample:
+        kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
+    else:  # unset, so transformers does not warn that sampling settings are ignored
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if gen.num_beams > 1:
+        kwargs["length_penalty"] = gen.length_penalty
+    if stops.strings:
+        kwargs.update(stop_strings=list(stops.strings), tokenizer=tokenizer)
+    return kwargs
+
+
+@torch.no_grad()
+def answer(model: Any, tokenizer: Any, template: ChatTemplate, question: str, *, system: str | None = None,
+           max_new_tokens: int = 96) -> str:
+    """The model's greedy answer to one question (used on a model in training too: its mode is restored)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    ids = torch.tensor([render_prompt(tokenizer, template, messages)], device=next(model.parameters()).device)
+    stops = end_of_turn(tokenizer, template)
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            eos_token_id=list(stops.token_ids), pad_token_id=tokenizer.pad_token_id, use_cache=True,
+            temperature=None, top_p=None, top_k=None,
+        )
+    finally:
+        model.train(was_training)
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    for s in stops.strings:
+        text = text.split(s)[0]
+    return text.strip()
