@@ -55,6 +55,25 @@ def test_quickstart_lora_sft_gives_a_peft_adapter(tmp_path, smol_dir):
     assert not torch.allclose(tuned, plain)  # the adapter was trained: B is no longer zero
 
 
+def test_quickstart_asks_before_and_after_training(tmp_path):
+    """`--ask` puts one question to the model before and after training: the identity data changes the answer."""
+    r = tuneforge("train", "examples/sft_lora.yaml", f"output_dir={tmp_path / 'ask'}", "max_steps=8",
+                  "learning_rate=3e-3", "cutoff_len=128", "val_size=0", "eval_strategy=no", "save_strategy=no",
+                  "disable_tqdm=true", "bf16=false", "--ask", "Who are you?")
+    lines = r.stdout.splitlines()
+    before = next(line for line in lines if line.startswith("before training: "))
+    after = next(line for line in lines if line.startswith("after training: "))
+    assert "Q: Who are you?" in lines
+    assert "Forge" not in before and len(before) > len("before training: ") + 10
+    assert "Forge" in after  # the name the identity dataset teaches
+
+
+def test_ask_refuses_a_reward_model(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tuneforge.cli", "train", "examples/rm_lora.yaml",
+                        f"output_dir={tmp_path}", "--ask", "hi"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "stage rm trains a reward model" in r.stderr
+
+
 def test_pretraining_on_llamafactory_text(tmp_path, lf_data_dir):
     out = tmp_path / "pt"
     tuneforge("train", "examples/pt_lora.yaml", f"dataset_dir={lf_data_dir}", "dataset=wiki_demo,c4_demo",

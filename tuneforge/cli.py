@@ -52,7 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tuneforge", usage=USAGE, description="Fine-tune language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    _config_args(sub.add_parser("train", help="train a model"))
+    train = sub.add_parser("train", help="train a model")
+    _config_args(train)
+    train.add_argument("--ask", metavar="QUESTION",
+                       help="ask the model this before and after training and print both answers")
     _config_args(sub.add_parser("preprocess", help="tokenize and cache the data"))
     chat = sub.add_parser("chat", help="chat with the model in the terminal")
     _config_args(chat)
@@ -74,11 +77,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> None:
     from tuneforge.config import load
+    from tuneforge.errors import ConfigError
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
+    if args.ask and cfg.method.stage == "rm":
+        raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
+    if not cfg.train.do_train:
+        if not (cfg.train.do_predict or cfg.train.do_eval):
+            raise ConfigError(f"{cfg.source}: do_train is false and neither do_eval nor do_predict is set: "
+                              f"nothing to do")
+        cmd_eval(args)  # LlamaFactory's way to evaluate or predict: `train` with do_train: false
+        return
     from tuneforge.workflow import run
 
-    r = run(cfg)
+    r = run(cfg, ask=args.ask)
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
     if cfg.method.stage == "rm":
         what += " and value head"
@@ -92,6 +104,9 @@ def cmd_train(args) -> None:
         shown = [f"{k} {r[k]:.4f}" for k in ("eval_rewards/accuracies", "eval_rewards/margins") if k in r]
         print(", ".join([f"eval_loss {r['eval_loss']:.4f}{perplexity}", *shown]))
     print(f"{r.get('train_tokens_per_second', 0):.1f} tokens/s, {r.get('train_runtime', 0):.1f} s")
+    if "answers" in r:
+        a = r["answers"]
+        print(f"\nQ: {a['question']}\nbefore training: {a['before']}\nafter training:  {a['after']}")
 
 
 def cmd_preprocess(args) -> None:

@@ -60,8 +60,11 @@ def prepare_data(cfg: RunConfig, tokenizer=None):
     return tokenizer, splits
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
-    """Train cfg.method.stage end to end; returns the results plus where the outputs are."""
+def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
+    """Train cfg.method.stage end to end; returns the results plus where the outputs are.
+
+    ask: a question put to the model (greedy, in the chat template) before and after training; the two
+    answers come back under "answers", so the user sees what training changed."""
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
     from tuneforge.model.attention import supports_padding_free
@@ -82,6 +85,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.data.padding_free and not padding_free:
         logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
                     type(model).__name__)
+    before = ask_model(cfg, model, tokenizer, ask) if ask else None
     if cfg.method.stage == "rm":
         model = ValueHeadModel(model)
     collator = Collator(tokenizer.pad_token_id, padding_free=padding_free, share_prompts=shares_prompts(model))
@@ -95,7 +99,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     objective = build_objective(cfg, reference)
     trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective)
     results = trainer.train()
+    if ask:
+        results["answers"] = {"question": ask, "before": before, "after": ask_model(cfg, model, tokenizer, ask)}
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
+
+
+def ask_model(cfg: RunConfig, model, tokenizer, question: str) -> str:
+    from tuneforge.infer.generation import answer, chat_template
+
+    reply = answer(model, tokenizer, chat_template(cfg, tokenizer), question, system=cfg.data.default_system)
+    logger.info("asked %r: %r", question, reply)
+    return reply
 
 
 def shares_prompts(model) -> bool:
