@@ -10,6 +10,7 @@ comes back wrapped in a ValueHeadModel.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,28 @@ def inference_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     if saved == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return torch.float16
     return saved if saved in DTYPES.values() else torch.float32
+
+
+def use_trained_output(cfg: RunConfig) -> RunConfig:
+    """The config pointed at what its own training run produced, so that chat / api / export / eval work on
+    the training YAML as it is. When output_dir holds a finished run (all_results.json): lora / oft apply
+    the adapter trained there on top of the adapters that run merged into its base (all of
+    adapter_name_or_path with create_new_adapter, else all but the last, which it went on training);
+    full / freeze load the model saved there. `output_dir=none` keeps the config's model and adapters."""
+    out = Path(cfg.train.output_dir) if cfg.train.output_dir else None
+    if out is None or not (out / "all_results.json").is_file():
+        return cfg
+    given = cfg.model.adapter_name_or_path or []
+    if cfg.method.finetuning_type in ("lora", "oft") and (out / "adapter_config.json").is_file():
+        if any(Path(a).resolve() == out.resolve() for a in given):
+            return cfg
+        merged = given if cfg.method.create_new_adapter else given[:-1]
+        logger.info("using the adapter trained in output_dir %s (output_dir=none: the config's own adapters)", out)
+        return replace(cfg, model=replace(cfg.model, adapter_name_or_path=[*merged, str(out)]))
+    if cfg.method.finetuning_type in ("full", "freeze") and (out / "config.json").is_file():
+        logger.info("using the model trained in output_dir %s (output_dir=none: model_name_or_path)", out)
+        return replace(cfg, model=replace(cfg.model, model_name_or_path=str(out)))
+    return cfg
 
 
 def adapter_folders(cfg: RunConfig) -> list[Path]:
