@@ -139,10 +139,15 @@ def cmd_data_preview(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    import contextlib
+
     from tuneforge.config import load
 
     cfg = load(args.config, args.overrides, for_training=False)
     from tuneforge.infer.chat import chat_loop
+
+    with contextlib.suppress(ImportError):  # line editing and history for input(), where the platform has it
+        import readline  # noqa: F401
 
     def write(text: str) -> None:
         print(text, end="", flush=True)

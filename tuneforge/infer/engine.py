@@ -1,0 +1,300 @@
+"""The generation engine behind `tuneforge chat` and `tuneforge api` (infer_backend: huggingface).
+
+One model, loaded once, and one worker thread that runs the requests from a queue, one after another:
+many clients at once never share a forward pass, so their answers cannot mix and a request's `seed`
+reproduces its samples. A request (`submit`) is a prompt's token ids, its `Sampling` settings and a
+sink that receives the request's events as they happen (job.py: Delta, Finish, Done, Failed).
+
+The n answers of a request are the rows of one `model.generate` batch. A stopping criterion reads each
+new token as it is appended, decodes it (decode.Output), ends rows at stop strings, and ends all rows
+when the job is cancelled (`Job.cancel()`: the client went away), so a cancelled request stops within
+one token. The context is the model's max_position_embeddings: a longer prompt is refused
+(PromptTooLongError), and an answer never runs past it. Reward models (a ValueHeadModel) also score
+texts (`score`), on the same worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tuneforge.errors import ConfigError, TuneforgeError
+from tuneforge.infer.decode import Output
+from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs, render_prompt
+from tuneforge.infer.job import CancelOnly, Choice, Completion, Delta, Done, Failed, Finish, Job, Watch, feed
+from tuneforge.infer.request import RequestError, Sampling, sampling
+from tuneforge.model.value_head import ValueHeadModel
+
+if TYPE_CHECKING:
+    from tuneforge.config import GenerateArgs, RunConfig
+    from tuneforge.data.template import ChatTemplate
+    from tuneforge.infer.generation import Stops
+
+logger = logging.getLogger(__name__)
+SCORE_BATCH = 8  # texts per forward pass of the reward model
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """infer_backend: huggingface is built in; vllm is named with what to do."""
+    if cfg.generate.infer_backend != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{cfg.source}: infer_backend vllm needs the vllm package: pip install vllm "
+                          f"(a CUDA machine), or set infer_backend: huggingface")
+    raise ConfigError(f"{cfg.source}: infer_backend vllm is not built into tuneforge chat / api yet; "
+                      f"set infer_backend: huggingface")
+
+
+def context_length(model: Any, fallback: int) -> int:
+    """The model's max_position_embeddings (fallback when its config has none)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(n) if n else fallback
+
+
+def served_name(cfg: RunConfig) -> str:
+    """The model's name for clients: the last adapter, else model_name_or_path, as the config writes it."""
+    return (cfg.model.adapter_name_or_path or [cfg.model.model_name_or_path])[-1]
+
+
+class Engine:
+    """A loaded model serving requests from one worker thread (build it with `Engine.from_config(cfg)`).
+
+    prompt_ids(messages, tools) -> token ids; sampling(prompt_tokens, **options) -> Sampling;
+    submit(ids, sampling, sink) -> Job; stream(messages, tools=, **options) -> events;
+    complete(messages, tools=, **options) -> Completion; score / score_future(texts) for a reward model;
+    close(). `stats` counts requests, finished, cancelled, failed and generated_tokens."""
+
+    def __init__(self, model: Any, tokenizer: Any, template: ChatTemplate, gen: GenerateArgs, *,
+                 context: int, default_system: str | None = None, name: str = "model",
+                 stops: Stops | None = None) -> None:
+        self.tokenizer, self.template, self.gen = tokenizer, template, gen
+        self.scorer = model if isinstance(model, ValueHeadModel) else None  # a reward model
+        self.lm = model.model if self.scorer is not None else model
+        self.device = next(model.parameters()).device
+        self.stops = stops or end_of_turn(tokenizer, template)
+        self.context, self.default_system, self.name = context, default_system, name
+        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
+        self._stats_lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="tuneforge-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Engine:
+        """Tokenizer and template first (their errors come before the weights load), then the model."""
+        from tuneforge.model import load_tokenizer
+        from tuneforge.model.inference import load_inference_model
+
+        check_backend(cfg)
+        tokenizer = load_tokenizer(cfg.model)
+        template = chat_template(cfg, tokenizer)
+        stops = end_of_turn(tokenizer, template)
+        model = load_inference_model(cfg)
+        return cls(model, tokenizer, template, cfg.generate, context=context_length(model, cfg.data.cutoff_len),
+                   default_system=cfg.data.default_system, name=served_name(cfg), stops=stops)
+
+    # ---- requests
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation rendered with the chat template, up to the assistant's turn, as token ids."""
+        try:
+            with self._tokenizer_lock:
+                return render_prompt(self.tokenizer, self.template, messages, tools)
+        except TuneforgeError:
+            raise
+        except Exception as e:  # the template refused the conversation (raise_exception, a missing key)
+            raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
+
+    def sampling(self, prompt_tokens: int, **options: Any) -> Sampling:
+        """Checked per-request settings (max_tokens, n, temperature, top_p, stop, seed, skip_special_tokens)."""
+        params = sampling(prompt_tokens, self.context, self.gen.max_new_tokens, **options)
+        if self.gen.num_beams > 1 and params.n > self.gen.num_beams:
+            raise RequestError(f"n {params.n} is more than num_beams {self.gen.num_beams}", param="n")
+        return params
+
+    def submit(self, prompt_ids: Sequence[int], params: Sampling, sink: Callable[[Any], None]) -> Job:
+        """Queue a request; its events go to sink (called from the worker thread)."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        job = Job(prompt_ids, params, sink)
+        self._queue.put(lambda: self._run(job))
+        return job
+
+    def stream(self, messages: list[dict[str, Any]], *, tools: list | None = None,
+               **options: Any) -> Iterator[Delta | Finish | Done]:
+        """Submit a conversation and iterate over its events (closing the iterator cancels it)."""
+        ids = self.prompt_ids(messages, tools)
+        params = self.sampling(len(ids), **options)
+        events: queue.Queue = queue.Queue()
+        job = self.submit(ids, params, events.put)
+
+        def iterate() -> Iterator[Delta | Finish | Done]:
+            try:
+                while True:
+                    event = events.get()
+                    if isinstance(event, Failed):
+                        raise event.error
+                    yield event
+                    if isinstance(event, Done):
+                        return
+            finally:
+                job.cancel()
+
+        return iterate()
+
+    def complete(self, messages: list[dict[str, Any]], *, tools: list | None = None, **options: Any) -> Completion:
+        """The whole answer(s) to a conversation."""
+        texts: dict[int, list[str]] = {}
+        finished: dict[int, Finish] = {}
+        done = Done(0, 0)
+        for event in self.stream(messages, tools=tools, **options):
+            if isinstance(event, Delta):
+                texts.setdefault(event.index, []).append(event.text)
+            elif isinstance(event, Finish):
+                finished[event.index] = event
+            else:
+                done = event
+        choices = [Choice(i, "".join(texts.get(i, [])), f.reason, f.tokens) for i, f in sorted(finished.items())]
+        return Completion(choices, done.prompt_tokens, done.completion_tokens)
+
+    # ---- reward model
+    def score_future(self, texts: Sequence[str], max_length: int | None = None) -> Future:
+        """Scores of texts by the reward model's value head (read at each text's last token), computed on
+        the worker. Texts are scored as given: render conversations with the chat template first."""
+        if self.scorer is None:
+            raise RequestError("this model has no value head, so it cannot score texts: start the server with "
+                               "the output folder of a stage rm run", code="model_not_reward_model")
+        if not texts or any(not isinstance(t, str) or not t for t in texts):
+            raise RequestError("messages must be a non-empty list of non-empty texts", param="messages")
+        if max_length is not None and max_length < 1:
+            raise RequestError(f"max_length must be >= 1 (got {max_length})", param="max_length")
+        limit = min(max_length or self.context, self.context)
+        future: Future = Future()
+
+        def task() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._score(list(texts), limit))
+                except Exception as e:
+                    future.set_exception(e)
+
+        self._queue.put(task)
+        return future
+
+    def score(self, texts: Sequence[str], max_length: int | None = None) -> list[float]:
+        return self.score_future(texts, max_length).result()
+
+    @torch.inference_mode()
+    def _score(self, texts: list[str], limit: int) -> list[float]:
+        with self._tokenizer_lock:
+            rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:limit] for t in texts]
+        scores: list[float] = []
+        for start in range(0, len(rows), SCORE_BATCH):
+            batch = rows[start : start + SCORE_BATCH]
+            width = max(len(r) for r in batch)
+            ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(batch):
+                ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+            ends = torch.tensor([i * width + len(r) - 1 for i, r in enumerate(batch)])
+            values = self.scorer(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                 sequence_ends=ends.to(self.device))
+            scores += values.float().cpu().tolist()
+        return scores
+
+    # ---- the worker
+    def _work(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            try:
+                task()
+            except Exception:  # a task reports its own errors; this is a bug in the engine
+                logger.exception("engine task failed")
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for key, value in deltas.items():
+                self.stats[key] += value
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while the request waited
+            self._count(cancelled=1)
+            return
+        self._count(requests=1)
+        try:
+            outputs = self._generate(job)
+        except Exception as e:
+            if not isinstance(e, TuneforgeError):
+                logger.exception("generation failed")
+            self._count(failed=1)
+            job.emit(Failed(e))
+            return
+        tokens = sum(o.tokens for o in outputs)
+        self._count(generated_tokens=tokens, **({"cancelled": 1} if job.cancelled.is_set() else {"finished": 1}))
+        job.emit(Done(len(job.prompt_ids), tokens))
+
+    def _generate(self, job: Job) -> list[Output]:
+        s = job.sampling
+        gen = self.gen
+        if s.temperature is not None:
+            gen = replace(gen, do_sample=s.temperature > 0, temperature=s.temperature)
+        if s.top_p is not None:
+            gen = replace(gen, top_p=s.top_p)
+        kwargs = generate_kwargs(gen, self.tokenizer, self.stops)
+        kwargs.pop("stop_strings", None)  # stop strings are cut from the decoded text (decode.Output)
+        kwargs.pop("tokenizer", None)
+        kwargs["max_new_tokens"] = s.max_new_tokens
+        skip = gen.skip_special_tokens if s.skip_special_tokens is None else s.skip_special_tokens
+        outputs = [Output(self.tokenizer, self.stops.token_ids, self.stops.strings + s.stop,
+                          skip_special_tokens=skip) for _ in range(s.n)]
+        prompt = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.device)
+        beams = gen.num_beams > 1
+        if beams:
+            kwargs["num_return_sequences"] = s.n
+            criterion: Any = CancelOnly(job)
+        else:
+            prompt = prompt.repeat(s.n, 1)
+            criterion = Watch(job, outputs)
+        from transformers import StoppingCriteriaList
+
+        if s.seed is not None:
+            torch.manual_seed(s.seed)  # one worker: nothing else draws from the generator meanwhile
+        with torch.inference_mode():
+            out = self.lm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), use_cache=True,
+                                   stopping_criteria=StoppingCriteriaList([criterion]), **kwargs)
+        if beams:
+            for i, output in enumerate(outputs):
+                for token in out[i, prompt.shape[1]:].tolist():
+                    feed(job, i, output, token)
+        reason = "cancelled" if job.cancelled.is_set() else "length"
+        for i, output in enumerate(outputs):
+            if output.finish_reason is None:
+                text = output.finish(reason)
+                if text:
+                    job.emit(Delta(i, text))
+                job.emit(Finish(i, output.finish_reason, output.tokens))
+        return outputs
+
+    def close(self) -> None:
+        """Stop the worker after the queued requests."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._worker.join(timeout=60)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
