@@ -67,6 +67,16 @@ def test_quickstart_asks_before_and_after_training(tmp_path):
     assert "Forge" not in before and len(before) > len("before training: ") + 10
     assert "Forge" in after  # the name the identity dataset teaches
 
+    # the same YAML chats with what it trained: output_dir holds a finished run, so its adapter is used
+    chat = subprocess.run(
+        [sys.executable, "-m", "tuneforge.cli", "chat", "examples/sft_lora.yaml", f"output_dir={tmp_path / 'ask'}",
+         "do_sample=false", "max_new_tokens=32"],
+        input="Who are you?\nexit\n", capture_output=True, text=True, cwd=ROOT,
+    )
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert "Assistant: " in chat.stdout and "Forge" in chat.stdout.split("Assistant: ", 1)[1]
+    assert "using the adapter trained in output_dir" in chat.stderr
+
 
 def test_ask_refuses_a_reward_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tuneforge.cli", "train", "examples/rm_lora.yaml",

@@ -138,12 +138,21 @@ def cmd_data_preview(args) -> None:
         print(f"--- sample {i} (supervised spans between ⟦ and ⟧) ---\n{text}\n")
 
 
-def cmd_chat(args) -> None:
-    import contextlib
-
+def _config_for_use(args):
+    """The config of chat / api / export / eval: loaded for use (no training checks), and pointed at its own
+    training run's output when output_dir holds a finished one."""
     from tuneforge.config import load
 
     cfg = load(args.config, args.overrides, for_training=False)
+    from tuneforge.model.inference import use_trained_output
+
+    return use_trained_output(cfg)
+
+
+def cmd_chat(args) -> None:
+    import contextlib
+
+    cfg = _config_for_use(args)
     from tuneforge.infer.chat import chat_loop
 
     with contextlib.suppress(ImportError):  # line editing and history for input(), where the platform has it
@@ -156,10 +165,9 @@ def cmd_chat(args) -> None:
 
 
 def cmd_api(args) -> None:
-    from tuneforge.config import load
     from tuneforge.errors import ConfigError
 
-    cfg = load(args.config, args.overrides, for_training=False)
+    cfg = _config_for_use(args)
     host = args.host or os.environ.get("API_HOST") or "0.0.0.0"
     port = args.port
     if port is None:
