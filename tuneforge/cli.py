@@ -181,9 +181,7 @@ def cmd_api(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from tuneforge.config import load
-
-    cfg = load(args.config, args.overrides, for_training=False)
+    cfg = _config_for_use(args)
     from tuneforge.export import export_model
 
     result = export_model(cfg)
