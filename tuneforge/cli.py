@@ -24,8 +24,9 @@ tuneforge version
 
 
 def _setup_logging(verbose: bool) -> None:
+    main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, the other ranks log warnings only
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO if main_process else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_train(args) -> None:
+def cmd_train(args) -> int:
     from tuneforge.config import load
     from tuneforge.errors import ConfigError
 
@@ -87,10 +88,17 @@ def cmd_train(args) -> None:
             raise ConfigError(f"{cfg.source}: do_train is false and neither do_eval nor do_predict is set: "
                               f"nothing to do")
         cmd_eval(args)  # LlamaFactory's way to evaluate or predict: `train` with do_train: false
-        return
+        return 0
+    from tuneforge.train.launch import launch_plan, relaunch
+
+    plan = launch_plan()  # several devices or FORCE_TORCHRUN=1: the same command on many processes
+    if plan is not None:
+        return relaunch(plan, args.argv)
     from tuneforge.workflow import run
 
     r = run(cfg, ask=args.ask)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # rank 0 reports for all
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
     if cfg.method.stage == "rm":
         what += " and value head"
@@ -107,6 +115,7 @@ def cmd_train(args) -> None:
     if "answers" in r:
         a = r["answers"]
         print(f"\nQ: {a['question']}\nbefore training: {a['before']}\nafter training:  {a['after']}")
+    return 0
 
 
 def cmd_preprocess(args) -> None:
@@ -190,9 +199,7 @@ def cmd_export(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from tuneforge.config import load
-
-    cfg = load(args.config, args.overrides, for_training=False)
+    cfg = _config_for_use(args)
     from tuneforge.eval import evaluate
 
     result = evaluate(cfg)
@@ -226,7 +233,9 @@ def cmd_env(_args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # to run the same command again under torchrun
     if args.command == "version":
         print(f"tuneforge {__version__}")
         return 0
@@ -238,14 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "data":
         command = cmd_data_preview
     try:
-        command(args)
+        status = command(args)
     except TuneforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import gc
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,11 @@ def prepare_data(cfg: RunConfig, tokenizer=None):
     """Tokenizer + tokenized splits (cached); everything `tuneforge preprocess` needs, no model weights."""
     from tuneforge.data import build
     from tuneforge.model import load_tokenizer
+    from tuneforge.train.dist import node_leader_first
 
     tokenizer = tokenizer or load_tokenizer(cfg.model)
-    splits = build(cfg, tokenizer)
+    with node_leader_first() as leader:  # many processes: one per node tokenizes, the others read its cache
+        splits = build(cfg if leader else replace(cfg, data=replace(cfg.data, overwrite_cache=False)), tokenizer)
     logger.info("data: %s", ", ".join(f"{k}={v}" for k, v in splits.stats.items() if not isinstance(v, dict)))
     return tokenizer, splits
 
@@ -64,7 +66,19 @@ def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
     """Train cfg.method.stage end to end; returns the results plus where the outputs are.
 
     ask: a question put to the model (greedy, in the chat template) before and after training; the two
-    answers come back under "answers", so the user sees what training changed."""
+    answers come back under "answers", so the user sees what training changed.
+    Started by torchrun (tuneforge/train/launch.py), each process joins the process group first and leaves
+    it after training; a process that fails just exits, and torchrun ends the others and names it."""
+    from tuneforge.train import dist
+
+    joined = dist.setup(cfg.train.ddp_timeout, cfg.train.data_wait_timeout)
+    results = _run(cfg, ask)
+    if joined:
+        dist.teardown()
+    return results
+
+
+def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
     from tuneforge.model.attention import supports_padding_free

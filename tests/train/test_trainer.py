@@ -101,6 +101,19 @@ def test_data_order_is_a_pure_function_of_seed_and_epoch():
     assert sorted(i for b in a for i in b) == list(range(7))
 
 
+def test_ranks_split_each_global_micro_batch_and_get_equal_counts():
+    one = epoch_micro_batches(8, 4, seed=3, epoch=0)
+    ranks = [epoch_micro_batches(8, 2, seed=3, epoch=0, rank=r, world_size=2) for r in range(2)]
+    # micro-batch m of the two ranks together is micro-batch m of one process with twice the batch
+    for m, rows in enumerate(one):
+        assert sorted(ranks[0][m] + ranks[1][m]) == sorted(rows)
+    # 7 rows on 2 ranks: padded to 8 by repeating the first row, so no rank runs out a step early
+    uneven = [epoch_micro_batches(7, 2, seed=3, epoch=0, rank=r, world_size=2) for r in range(2)]
+    assert [len(b) for b in uneven[0]] == [len(b) for b in uneven[1]] == [2, 2]
+    seen = [i for rank in uneven for b in rank for i in b]
+    assert sorted(set(seen)) == list(range(7)) and len(seen) == 8
+
+
 def test_partial_accumulation_group_at_epoch_end_still_steps(tmp_path, tiny_model_dir):
     lengths = [4, 5, 6, 7, 8]
     # 5 micro-batches of 1, 2 per step -> 3 steps per epoch (the last with one micro-batch); 2 epochs

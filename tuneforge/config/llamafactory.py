@@ -6,7 +6,6 @@ NOT_YET (an error that says tuneforge does not support it yet; never silently dr
 """
 # key -> why it changes nothing in tuneforge
 IGNORED: dict[str, str] = {
-    "ddp_timeout": "processes wait on their own timeout",
     "dataloader_num_workers": "data is tokenized ahead of time; batches are built in-process",
     "dataloader_pin_memory": "batches are moved to the device directly",
     "dataloader_persistent_workers": "no dataloader workers",

@@ -149,6 +149,8 @@ class TrainArgs:
     plot_loss: bool = opt(False, help="write training_loss.png (and training_eval_loss.png)")
     report_to: list[str] = opt(["none"], help="none, tensorboard, wandb")
     disable_tqdm: bool = opt(False, help="no progress bar")
+    ddp_timeout: int = opt(1800, help="seconds a collective of the training processes may wait")
+    data_wait_timeout: int = opt(86400, help="seconds the other processes wait while the main one tokenizes")
     do_predict: bool = opt(False, help="generate answers for the eval set (with predict_with_generate)")
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
 

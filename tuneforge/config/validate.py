@@ -104,6 +104,8 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         fail("warmup_steps, weight_decay and max_grad_norm must be >= 0")
     if t.bf16 and t.fp16:
         fail("bf16 and fp16 are both true; choose one")
+    if t.ddp_timeout < 1 or t.data_wait_timeout < 1:
+        fail("ddp_timeout and data_wait_timeout are seconds and must be >= 1")
     if t.eval_steps is not None and t.eval_steps < 1:
         fail(f"eval_steps must be >= 1 (got {t.eval_steps})")
     has_eval = bool(d.eval_dataset) or d.val_size > 0

@@ -27,6 +27,7 @@ from transformers import set_seed
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks, checkpoint
+from tuneforge.train.dist import data_parallel
 from tuneforge.train.objectives import Objective, lm_objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
 
@@ -53,10 +54,19 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def epoch_micro_batches(
     num_rows: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1
 ) -> list[list[int]]:
-    """Row indices of each micro-batch of one epoch, shuffled by seed + epoch; the last may be short."""
+    """Row indices of this rank's micro-batches of one epoch, shuffled by seed + epoch; the last may be short.
+
+    The shuffled rows are cut into global micro-batches of batch_size x world_size rows, and rank r takes
+    rows r, r + world_size, ... of each, so the ranks together see what one process with world_size times
+    the batch would see, step by step. Every rank gets the same number of micro-batches, none empty: with
+    more than one rank, the order is first padded to a multiple of world_size by repeating its first rows
+    (as torch's DistributedSampler does), since a rank that skipped a step would leave the others waiting.
+    """
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    shard = order[rank::world_size]
-    return [shard[i : i + batch_size] for i in range(0, len(shard), batch_size)]
+    if world_size > 1 and order:
+        order += order[: -len(order) % world_size]
+    chunk = batch_size * world_size
+    return [order[i : i + chunk][rank::world_size] for i in range(0, len(order), chunk)]
 
 
 def count_tokens(rows: list[Mapping[str, Any]]) -> int:
@@ -94,7 +104,7 @@ class StepResult:
     loss_sum: float
     units: int  # all ranks
     tokens: int  # all ranks
-    samples: int  # this rank
+    samples: int  # all ranks
     grad_norm: float
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)  # denominators of subset metrics
@@ -168,9 +178,8 @@ class Trainer:
                 f"given; set val_size or eval_dataset"
             )
         num_rows = len(train_dataset) if train_dataset is not None else 0
-        self.micro_batches_per_epoch = math.ceil(
-            len(range(self.rank, num_rows, self.world_size)) / t.per_device_train_batch_size
-        )
+        padded_rows = math.ceil(num_rows / self.world_size) * self.world_size
+        self.micro_batches_per_epoch = math.ceil(padded_rows / (t.per_device_train_batch_size * self.world_size))
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps)
         self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
         self.optimizer = build_optimizer(model, cfg)
@@ -184,6 +193,7 @@ class Trainer:
                 "many times slower than fp32; set bf16: false to train in fp32 here",
                 torch.backends.cpu.get_cpu_capability(),
             )
+        self.step_module = data_parallel(model, objective, self.device)  # forward = the objective
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
@@ -241,15 +251,28 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         metrics: dict[str, torch.Tensor | float] = {}
         counts: dict[str, torch.Tensor | float] = {}
-        for batch in batches:
-            with self._autocast():
-                out = self.objective(self.model, self._to_device(batch))
-            self.scaler.scale(out.loss_sum * scale).backward()
+        for i, batch in enumerate(batches):
+            # under DDP, gradients are all-reduced once per step: with the last micro-batch's backward
+            last = i == len(batches) - 1
+            no_sync = getattr(self.step_module, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                with self._autocast():
+                    out = self.step_module(self._to_device(batch))
+                self.scaler.scale(out.loss_sum * scale).backward()
             loss_sum += out.loss_sum.detach().float()
             add_into(metrics, out.metrics)
             add_into(counts, out.counts)
         step = self.state.global_step + 1
-        loss_value = float(loss_sum)
+        samples = sum(len(r) for r in rows)
+        # the step's loss, metrics and samples over all ranks (every rank's objective emits the same keys)
+        keys, count_keys = sorted(metrics), sorted(counts)
+        reduced = all_reduce_sum(
+            [float(loss_sum), samples, *(float(metrics[k]) for k in keys), *(float(counts[k]) for k in count_keys)],
+            self.device,
+        )
+        loss_value, samples = reduced[0], int(reduced[1])
+        metrics = dict(zip(keys, reduced[2 : 2 + len(keys)], strict=True))
+        counts = dict(zip(count_keys, reduced[2 + len(keys) :], strict=True))
         if not math.isfinite(loss_value):
             raise TrainingError(
                 f"step {step}: the loss is {loss_value}. Lower learning_rate (now {t.learning_rate:g})"
@@ -260,7 +283,6 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        samples = sum(len(r) for r in rows)
         self.session.steps, self.session.tokens = self.session.steps + 1, self.session.tokens + int(tokens)
         self.session.samples += samples
         metric_values = {k: float(v) for k, v in metrics.items()}
@@ -459,7 +481,7 @@ class Trainer:
             "total_tokens": s.total_tokens,
             "train_loss": s.loss_sum / max(s.loss_units, 1),
             "train_runtime": round(runtime, 4),
-            "train_samples_per_second": per_second(run.samples * self.world_size),
+            "train_samples_per_second": per_second(run.samples),
             "train_steps_per_second": per_second(run.steps),
             "train_tokens_per_second": per_second(run.tokens),
         }
