@@ -154,6 +154,7 @@ def precompute_reference(cfg: RunConfig, splits, model, collator):
     from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
     from tuneforge.model import reference_identity
     from tuneforge.train import precompute
+    from tuneforge.train.dist import node_leader_first
     from tuneforge.train.trainer import autocast_context
 
     device = next(model.parameters()).device
@@ -170,9 +171,10 @@ def precompute_reference(cfg: RunConfig, splits, model, collator):
     kind = "feedback" if cfg.method.stage == "kto" else "pairwise"
     columns = tuple(REF_LOGP_COLUMNS[prefix] for prefix in SEQUENCE_PREFIXES[kind])
     cache_dir = Path(splits.stats["cache_dir"])
-    with_ref = precompute.with_reference_logps(
-        {"train": splits.train, "eval": splits.eval}, columns, cache_dir, reference_identity(cfg), compute_split
-    )
+    with node_leader_first():  # many processes: one per node computes, the others read its cache
+        with_ref = precompute.with_reference_logps(
+            {"train": splits.train, "eval": splits.eval}, columns, cache_dir, reference_identity(cfg), compute_split
+        )
     return with_ref["train"], with_ref["eval"]
 
 

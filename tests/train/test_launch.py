@@ -65,3 +65,15 @@ def test_elastic_jobs_rendezvous_on_the_master():
 def test_malformed_topology_is_refused_before_any_process_starts(env, message):
     with pytest.raises(ConfigError, match=message):
         launch_plan(env, device_count=2)
+
+
+def test_the_root_cause_of_torchruns_report_names_the_rank():
+    from tuneforge.train.launch import failed_rank
+
+    report = (
+        "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 7)  (SIGTERM)\n"
+        "------\nRoot Cause (first observed failure):\n[0]:\n  time      : 2026-12-03_11:38:13\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : 3 (pid: 8)\n"
+    )
+    assert failed_rank(report) == ("1", "3")
+    assert failed_rank("killed") == (None, None)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tuneforge.errors import ConfigError
+from tuneforge.errors import ConfigError, TrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,29 @@ def launch_plan(env: Mapping[str, str] = os.environ, device_count: int | None = 
 
 
 def relaunch(plan: LaunchPlan, argv: list[str]) -> int:
-    """Run `tuneforge argv...` on plan's processes under torchrun; returns torchrun's exit status."""
+    """Run `tuneforge argv...` on plan's processes under torchrun; 0 when every process succeeded.
+
+    torchrun's output streams through as it comes; when a process fails, torchrun stops the others (none
+    is left waiting in a collective) and its report's root cause names the rank, which the TrainingError
+    repeats in one line."""
     command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(), "-m", "tuneforge.cli", *argv]
     logger.info("starting %d processes per node on %s nodes (master %s:%d)", plan.nproc_per_node, plan.nnodes,
                 plan.master_addr, plan.master_port)
-    return subprocess.run(command, check=False).returncode
+    tail: list[str] = []
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace") as process:
+        for line in process.stderr:
+            sys.stderr.write(line)
+            tail = (tail + [line])[-200:]
+    if process.returncode == 0:
+        return 0
+    rank, code = failed_rank("".join(tail))
+    where = f"on rank {rank} (exit code {code})" if rank is not None else f"(torchrun exit status {process.returncode})"
+    raise TrainingError(f"the run failed {where}; that process's own error is above, and torchrun stopped the others")
+
+
+def failed_rank(report: str) -> tuple[str | None, str | None]:
+    """(rank, exit code) of the root cause in torchrun's failure report, or (None, None)."""
+    root = report[report.rfind("Root Cause"):] if "Root Cause" in report else ""
+    rank = re.search(r"rank\s*:\s*(\d+)", root)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    return (rank.group(1) if rank else None), (code.group(1) if code else None)
