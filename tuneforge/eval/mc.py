@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tuneforge.errors import ModelError
+from tuneforge.eval.batches import left_padded_batches
 from tuneforge.eval.benchmark import CHOICES, Benchmark, Question, load_benchmark
 
 logger = logging.getLogger(__name__)
@@ -93,22 +94,18 @@ def score(model: torch.nn.Module, prompts: Sequence[list[int]], choice_ids: Sequ
           batch_size: int) -> torch.Tensor:
     """(n, 4) log-probabilities of the answer letters at each prompt's next position (fp32)."""
     device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out = torch.empty(len(prompts), len(choice_ids), dtype=torch.float32)
     keep = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    started, logged = time.monotonic(), time.monotonic()
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
+    started, logged, done = time.monotonic(), time.monotonic(), 0
+    for rows, ids, mask in left_padded_batches(prompts, batch_size, pad_id, device):
+        done += len(rows)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **keep).logits
         logps = torch.log_softmax(logits[:, -1].float(), dim=-1)
         out[rows] = logps[:, list(choice_ids)].cpu()
         if time.monotonic() - logged > 15:
             logged = time.monotonic()
-            logger.info("scored %d / %d questions (%.0f s)", start + len(rows), len(order), logged - started)
+            logger.info("scored %d / %d questions (%.0f s)", done, len(prompts), logged - started)
     return out
 
 

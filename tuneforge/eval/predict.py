@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tuneforge.errors import DataError
+from tuneforge.eval.batches import left_padded_batches
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +94,11 @@ def generate_batched(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[l
     device = next(model.parameters()).device
     pad = gen_kwargs.get("pad_token_id", tokenizer.pad_token_id)
     stop_ids = set(stops.token_ids)
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     texts: list[str] = [""] * len(prompts)
-    started, logged = time.monotonic(), time.monotonic()
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
+    started, logged, done = time.monotonic(), time.monotonic(), 0
+    for rows, ids, mask in left_padded_batches(prompts, batch_size, pad, device):
+        done += len(rows)
+        width = ids.shape[1]
         out = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, **gen_kwargs)
         for row, generated in zip(rows, out[:, width:].tolist(), strict=True):
             text = tokenizer.decode(_cut(generated, stop_ids), skip_special_tokens=skip_special_tokens)
@@ -109,7 +107,7 @@ def generate_batched(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[l
             texts[row] = text.strip()
         if time.monotonic() - logged > 15:
             logged = time.monotonic()
-            logger.info("answered %d / %d prompts (%.0f s)", start + len(rows), len(order), logged - started)
+            logger.info("answered %d / %d prompts (%.0f s)", done, len(prompts), logged - started)
     return texts
 
 
