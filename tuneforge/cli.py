@@ -83,6 +83,8 @@ def cmd_train(args) -> int:
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
     if args.ask and cfg.method.stage == "rm":
         raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
+    if args.ask and cfg.train.fsdp:
+        raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
     if not cfg.train.do_train:
         if not (cfg.train.do_predict or cfg.train.do_eval):
             raise ConfigError(f"{cfg.source}: do_train is false and neither do_eval nor do_predict is set: "
@@ -90,15 +92,19 @@ def cmd_train(args) -> int:
         cmd_eval(args)  # LlamaFactory's way to evaluate or predict: `train` with do_train: false
         return 0
     from tuneforge.train.launch import launch_plan, relaunch
+    from tuneforge.train.ray_launch import ray_requested, run_on_ray
 
-    plan = launch_plan()  # several devices or FORCE_TORCHRUN=1: the same command on many processes
-    if plan is not None:
-        return relaunch(plan, args.argv)
-    from tuneforge.workflow import run
+    if ray_requested(cfg):  # use_ray / USE_RAY=1: the same run in Ray Train workers; rank 0's results come back
+        r = run_on_ray(cfg, ask=args.ask)
+    else:
+        plan = launch_plan()  # several devices or FORCE_TORCHRUN=1: the same command on many processes
+        if plan is not None:
+            return relaunch(plan, args.argv)
+        from tuneforge.workflow import run
 
-    r = run(cfg, ask=args.ask)
-    if os.environ.get("RANK", "0") != "0":
-        return 0  # rank 0 reports for all
+        r = run(cfg, ask=args.ask)
+        if os.environ.get("RANK", "0") != "0":
+            return 0  # rank 0 reports for all
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
     if cfg.method.stage == "rm":
         what += " and value head"
@@ -216,7 +222,7 @@ def cmd_env(_args) -> None:
     print(f"tuneforge {__version__}")
     print(f"python {platform.python_version()} on {platform.platform()}")
     for pkg in ("torch", "transformers", "peft", "datasets", "accelerate", "safetensors", "bitsandbytes",
-                "flash-attn", "deepspeed", "tensorboard", "wandb"):
+                "flash-attn", "deepspeed", "ray", "fastapi", "uvicorn", "tensorboard", "wandb"):
         try:
             print(f"{pkg} {md.version(pkg)}")
         except md.PackageNotFoundError:

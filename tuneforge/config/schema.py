@@ -35,6 +35,7 @@ INFER_BACKENDS = ("huggingface", "vllm")
 INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPORT_FORMATS = ("safetensors", "gguf")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -151,6 +152,12 @@ class TrainArgs:
     disable_tqdm: bool = opt(False, help="no progress bar")
     ddp_timeout: int = opt(1800, help="seconds a collective of the training processes may wait")
     data_wait_timeout: int = opt(86400, help="seconds the other processes wait while the main one tokenizes")
+    fsdp: bool | list[str] | None = opt(
+        None, help="FSDP2: true, or full_shard / shard_grad_op / hybrid_shard / hybrid_shard_zero2 (+ offload, auto_wrap)"
+    )
+    fsdp_config: dict | str | None = opt(
+        None, help="FSDP2 settings (a mapping or a JSON file): reshard_after_forward, cpu_offload, transformer_layer_cls_to_wrap"
+    )
     do_predict: bool = opt(False, help="generate answers for the eval set (with predict_with_generate)")
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
 
@@ -202,9 +209,24 @@ class EvalArgs:
     save_dir: str | None = opt(help="folder for the results files (default: output_dir, else eval_<task>)")
 
 
+@dataclass
+class RayArgs:
+    """`tuneforge train` in Ray Train workers (LlamaFactory's Ray keys; USE_RAY=1 also sets use_ray)."""
+
+    use_ray: bool = opt(False, help="train in Ray Train workers instead of this process / torchrun")
+    ray_num_workers: int = opt(1, help="Ray Train workers (processes), one rank each")
+    resources_per_worker: dict = opt({}, help="Ray resources of each worker, e.g. {CPU: 4, GPU: 1}; default: "
+                                              "1 CPU, plus 1 GPU when the cluster has GPUs")
+    placement_strategy: str = opt("PACK", choices=PLACEMENT_STRATEGIES, help="how workers spread over the nodes")
+    ray_init_kwargs: dict | None = opt(help="arguments of ray.init, e.g. {address: auto} or {runtime_env: ...}")
+    ray_run_name: str | None = opt(help="name of the Ray Train run (default: Ray's, with the date)")
+    ray_storage_path: str | None = opt(help="where Ray Train keeps its run records (default: the tuneforge "
+                                            "cache's ray_results); the model goes to output_dir")
+
+
 GROUPS = {
     "model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs,
-    "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs,
+    "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs, "ray": RayArgs,
 }
 
 
@@ -217,6 +239,7 @@ class RunConfig:
     generate: GenerateArgs = field(default_factory=GenerateArgs)
     export: ExportArgs = field(default_factory=ExportArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
+    ray: RayArgs = field(default_factory=RayArgs)
     source: str = "<overrides>"  # the file the config came from, for messages
 
     def to_dict(self) -> dict[str, Any]:

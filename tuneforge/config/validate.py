@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
+from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings, planned_processes
 from tuneforge.config.schema import IMPLEMENTED_STAGES, REFERENCE_FREE_LOSSES, RunConfig
 from tuneforge.errors import ConfigError
 
@@ -65,6 +67,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
         fail("adapter_name_or_path needs finetuning_type lora or oft")
     _check_preference(cfg, fail)
+    _check_fsdp(cfg, fail, for_training)
 
     # data
     if for_training and t.do_train and not d.dataset and not d.tokenized_path:
@@ -129,6 +132,8 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         if unknown:
             fail(f"lr_scheduler_kwargs {sorted(unknown)} do not apply to {t.lr_scheduler_type}")
 
+    _check_ray(cfg, fail)
+
     if for_training and t.do_train:
         _check_output_dir(cfg, fail)
 
@@ -172,6 +177,19 @@ def _check_preference(cfg: RunConfig, fail) -> None:
         )
 
 
+def _check_ray(cfg: RunConfig, fail) -> None:
+    """The Ray keys' values; whether Ray is installed and no torchrun competes is checked when a run starts
+    (tuneforge/train/ray_launch.py), since USE_RAY=1 in the environment asks for Ray too."""
+    r = cfg.ray
+    if r.ray_num_workers < 1:
+        fail(f"ray_num_workers must be >= 1 (got {r.ray_num_workers}): the number of Ray Train workers")
+    for name, amount in r.resources_per_worker.items():
+        if name in ("cpu", "gpu"):
+            fail(f"resources_per_worker: Ray's resource names are case-sensitive; write {name.upper()}, not {name}")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+            fail(f"resources_per_worker: {name} must be a number >= 0 (got {amount!r}), e.g. {{CPU: 4, GPU: 1}}")
+
+
 def _check_output_dir(cfg: RunConfig, fail) -> None:
     t = cfg.train
     if not t.output_dir:
@@ -180,13 +198,48 @@ def _check_output_dir(cfg: RunConfig, fail) -> None:
     if isinstance(resume, str):
         if not Path(resume).is_dir():
             fail(f"resume_from_checkpoint: {resume} is not a folder; point it at a checkpoint-N folder")
+        _check_checkpoint_kind(cfg, Path(resume), fail)
         return
     found = checkpoints_in(t.output_dir)
     if resume is True and not found:
         fail(f"resume_from_checkpoint: true, but {t.output_dir} holds no checkpoint-N folder")
+    if resume is True and found:
+        _check_checkpoint_kind(cfg, found[-1], fail)
     if found and resume is not True and not t.overwrite_output_dir:
         fail(
             f"output_dir {t.output_dir} already holds checkpoints (latest: {found[-1].name}). "
             f"To continue that run set resume_from_checkpoint: true; to start afresh set "
             f"overwrite_output_dir: true, or choose another output_dir"
         )
+
+
+def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
+    settings = fsdp_settings(cfg)
+    if settings is None:
+        return
+    m, me, t = cfg.model, cfg.method, cfg.train
+    if t.fp16:
+        fail("fsdp with fp16 needs a loss scaler over sharded gradients, which tuneforge does not have; use "
+             "bf16: true (or fp32)")
+    if m.quantization_bit == 8:
+        fail("fsdp with quantization_bit 8: bitsandbytes' 8-bit weights cannot be gathered into a checkpoint; "
+             "use quantization_bit: 4")
+    if me.pissa_init:
+        fail("fsdp with pissa_init is not supported (the PiSSA conversion needs the whole adapter in one "
+             "process); drop pissa_init or fsdp")
+    processes = planned_processes() if for_training and t.do_train else None
+    ray = getattr(cfg, "ray", None)
+    if ray is not None and (ray.use_ray or os.environ.get("USE_RAY", "").strip().lower() in ("1", "true", "yes", "y")):
+        processes = ray.ray_num_workers  # the Ray Train workers are the processes
+    if processes == 1:
+        fail("fsdp shards the model over several processes, but this run starts one; start several "
+             "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false")
+
+
+def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:
+    """A checkpoint resumes under the strategy that wrote it: sharded (fsdp) or whole."""
+    sharded = (folder / SHARDED_CHECKPOINT).is_dir()
+    if sharded and not cfg.train.fsdp:
+        fail(f"{folder} is a sharded checkpoint of an fsdp run; resume it with the same fsdp setting")
+    if cfg.train.fsdp and folder.is_dir() and (folder / "trainer_state.json").is_file() and not sharded:
+        fail(f"{folder} was written without fsdp; resume it without fsdp (drop fsdp), or start afresh")

@@ -330,17 +330,19 @@ def save_final_model(
     output_dir: Path,
     pissa_init: Path | None = None,
     pissa_convert: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """save_pretrained into a temporary folder, then move file by file into output_dir (each a rename).
 
     With pissa_init (the run's initial PiSSA adapter) the adapter is saved converted for the original base
-    model, or, with pissa_convert false, as trained (for the residual base)."""
+    model, or, with pissa_convert false, as trained (for the residual base). state_dict: the weights to save
+    instead of the model's own (fsdp gathers them from the ranks' shards)."""
     tmp = output_dir / f"{TMP_PREFIX}final-model"
     shutil.rmtree(tmp, ignore_errors=True)
     if pissa_init is not None:
         pissa.save_adapter(model, tmp, pissa_init, convert=pissa_convert)
     else:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):

@@ -1,7 +1,8 @@
 """The process group of a multi-process run, and the data that only one process per node prepares.
 
 A process that torchrun started (tuneforge/train/launch.py) joins the group here: gloo on CPU, nccl on CUDA
-(each process on the device of its LOCAL_RANK). Besides it, a gloo group with its own, long timeout
+(each process on the device of its LOCAL_RANK); a Ray Train worker (tuneforge/train/ray_launch.py) finds
+the group Ray set up and uses it. Besides it, a gloo group with its own, long timeout
 (`data_timeout`) carries one barrier: the main process of each node tokenizes and caches the data while
 the others wait on that barrier, not on a collective of the training group, whose watchdog would end a
 job whose tokenization takes longer than a collective may wait.
@@ -10,9 +11,10 @@ job whose tokenization takes longer than a collective may wait.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -34,8 +36,19 @@ def local_rank() -> int:
 
 
 def setup(timeout_s: int, data_timeout_s: int) -> bool:
-    """Join the process group when torchrun started this process with WORLD_SIZE > 1; True when joined."""
-    if not under_torchrun() or int(os.environ["WORLD_SIZE"]) <= 1 or dist.is_initialized():
+    """Join the process group when torchrun started this process with WORLD_SIZE > 1; True when joined.
+
+    A group that the launcher already set up (Ray Train's workers) is used as it is: only the data group
+    is added, and teardown leaves the launcher's group to the launcher."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() <= 1 or "data_group" in _state:
+            return False
+        _state["data_group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=data_timeout_s))
+        _state["launcher_group"] = True
+        logger.info("rank %d of %d uses the launcher's process group (%s)", dist.get_rank(), dist.get_world_size(),
+                    dist.get_backend())
+        return True
+    if not under_torchrun() or int(os.environ["WORLD_SIZE"]) <= 1:
         return False
     cuda = torch.cuda.is_available()
     if cuda:
@@ -51,9 +64,28 @@ def teardown() -> None:
     """Leave the process group (after every rank got here, so none tears down under another's collective)."""
     if not dist.is_initialized():
         return
-    dist.barrier(group=_state.get("data_group"))
+    group = _state.get("data_group")
+    dist.barrier(group=group)
+    launcher_group = _state.get("launcher_group", False)
+    releases = _state.get("releases", [])
     _state.clear()
-    dist.destroy_process_group()
+    if releases:  # FSDP2 ran: let go of the groups, so that destroying them below really ends them
+        for release in releases:
+            release()
+        gc.collect()  # the trainer's sharded modules, unreachable since training returned, hold groups too
+    if not launcher_group:
+        dist.destroy_process_group()
+    elif group is not None:
+        dist.destroy_process_group(group)
+
+
+def release_before_teardown(release: Callable[[], None]) -> None:
+    """Have teardown call release() before it destroys the process groups.
+
+    A process group ends (its gloo threads joined, its connections closed) when its last reference goes.
+    FSDP2's device mesh holds its groups and outlives training in DTensor's global caches, so without this
+    destroy_process_group() would leave the group running until the interpreter exits."""
+    _state.setdefault("releases", []).append(release)
 
 
 @contextlib.contextmanager

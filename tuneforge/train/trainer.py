@@ -26,7 +26,7 @@ from transformers import set_seed
 
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
-from tuneforge.train import callbacks, checkpoint
+from tuneforge.train import callbacks, checkpoint, fsdp
 from tuneforge.train.dist import data_parallel
 from tuneforge.train.objectives import Objective, lm_objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
@@ -182,6 +182,9 @@ class Trainer:
         self.micro_batches_per_epoch = math.ceil(padded_rows / (t.per_device_train_batch_size * self.world_size))
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps)
         self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
+        self.sharded = fsdp.enabled(cfg)
+        if self.sharded:  # before the optimizer: fully_shard replaces the parameters by the shards it steps
+            self.step_module = fsdp.shard(model, objective, cfg, self.device)
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.fp16 and self.device.type == "cuda")
@@ -193,7 +196,8 @@ class Trainer:
                 "many times slower than fp32; set bf16: false to train in fp32 here",
                 torch.backends.cpu.get_cpu_capability(),
             )
-        self.step_module = data_parallel(model, objective, self.device)  # forward = the objective
+        if not self.sharded:
+            self.step_module = data_parallel(model, objective, self.device)  # forward = the objective
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
@@ -347,12 +351,20 @@ class Trainer:
         self.model.eval()
         size = self.cfg.train.per_device_eval_batch_size
         rows = list(range(self.rank, len(self.eval_dataset), self.world_size))
+        batches = [(rows[start : start + size], True) for start in range(0, len(rows), size)]
+        if self.sharded:  # the same number of forwards on every rank, each gathering the weights
+            batches = fsdp.eval_batches(len(self.eval_dataset), size, self.rank, self.world_size)
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
-        for start in range(0, len(rows), size):
-            batch = self.collator([self.eval_dataset[i] for i in rows[start : start + size]])
-            units += self.objective.count(batch)
+        for indices, counted in batches:
+            batch = self.collator([self.eval_dataset[i] for i in indices])
             with self._autocast():
-                out = self.objective(self.model, self._to_device(batch))
+                if self.sharded:
+                    out = self.step_module(self._to_device(batch))
+                else:
+                    out = self.objective(self.model, self._to_device(batch))
+            if not counted:
+                continue
+            units += self.objective.count(batch)
             loss_sum += float(out.loss_sum)
             add_into(sums, out.metrics)
             add_into(counts, out.counts)
@@ -421,11 +433,13 @@ class Trainer:
         self.reporters.log(self.state.global_step, entry)
 
     def _save_checkpoint(self) -> None:
-        if not self.is_main:
-            return
         parts = (self.model, self.tokenizer, self.optimizer, self.scheduler, self.scaler, self.state)
-        checkpoint.save_checkpoint(self.output_dir, *parts)
-        checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit)
+        if self.sharded:  # every rank writes its shards
+            fsdp.save_checkpoint(self.output_dir, *parts, is_main=self.is_main)
+        elif self.is_main:
+            checkpoint.save_checkpoint(self.output_dir, *parts)
+        if self.is_main:
+            checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit)
 
     def _start(self) -> Path | None:
         """Resume (weights, optimizer, scheduler, RNG, data position) or seed a fresh run; open the logs."""
@@ -434,7 +448,8 @@ class Trainer:
         self.pissa_init = checkpoint.keep_pissa_init(self.model, self.output_dir, folder, write=self.is_main)
         if folder is not None:
             parts = (self.model, self.optimizer, self.scheduler, self.scaler)
-            self.state = checkpoint.load_checkpoint(folder, *parts)
+            load = fsdp.load_checkpoint if self.sharded else checkpoint.load_checkpoint
+            self.state = load(folder, *parts)
             self.state.total_steps = self.total_steps
             if self.state.batches_in_epoch >= self.micro_batches_per_epoch:  # the data shrank since the save
                 self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
@@ -493,11 +508,14 @@ class Trainer:
     def _finish(self, results: dict[str, Any], resumed_from: Path | None) -> None:
         self.progress.close()
         self.reporters.close()
+        if self.sharded:  # every rank sends its shards; rank 0 writes the folder
+            fsdp.save_final_model(self.model, self.tokenizer, self.output_dir, is_main=self.is_main)
         if not self.is_main:
             return
-        checkpoint.save_final_model(
-            self.model, self.tokenizer, self.output_dir, self.pissa_init, self.cfg.method.pissa_convert
-        )
+        if not self.sharded:
+            checkpoint.save_final_model(
+                self.model, self.tokenizer, self.output_dir, self.pissa_init, self.cfg.method.pissa_convert
+            )
         checkpoint.write_results(self.output_dir, results, self.state)
         if self.cfg.train.plot_loss:
             callbacks.plot_losses(self.state.log_history, self.output_dir)
