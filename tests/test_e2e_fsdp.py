@@ -119,7 +119,9 @@ torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DTensor ops: their ca
 del model
 dist.teardown()
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("gloo threads after teardown:", sum("gloo" in n for n in names), flush=True)
+# one file per rank: two ranks printing at once can interleave their lines
+with open(os.path.join(os.environ["OUT_DIR"], f"rank{os.environ['RANK']}.txt"), "w") as f:
+    f.write(str(sum("gloo" in n for n in names)))
 """
 
 
@@ -131,6 +133,8 @@ def test_teardown_ends_the_process_groups_fsdp_used(tmp_path):
     script = tmp_path / "teardown.py"
     script.write_text(TEARDOWN)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "OUT_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("gloo threads after teardown: 0") == 2, r.stdout
+    counts = {rank: (tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert counts == {0: "0", 1: "0"}, f"gloo threads left after teardown: {counts}"
