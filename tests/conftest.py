@@ -43,6 +43,14 @@ def tokenizer(smol_dir):
     return AutoTokenizer.from_pretrained(smol_dir)
 
 
+@pytest.fixture
+def home(tokenizer, tmp_path, monkeypatch):
+    """A private TUNEFORGE_HOME (set after the tokenizer fixture has found the built-in model)."""
+    path = tmp_path / "tf-home"
+    monkeypatch.setenv("TUNEFORGE_HOME", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A tiny random LlamaForCausalLM (fp32) with the built-in tokenizer, saved as a HF folder."""

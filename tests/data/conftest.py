@@ -43,14 +43,6 @@ def _write_dataset(
     return path
 
 
-@pytest.fixture
-def home(tokenizer, tmp_path, monkeypatch):
-    """A private TUNEFORGE_HOME (set after the tokenizer fixture has found the built-in model)."""
-    path = tmp_path / "tf-home"
-    monkeypatch.setenv("TUNEFORGE_HOME", str(path))
-    return path
-
-
 def _alpaca_rows(n: int, prefix: str = "q") -> list[dict[str, str]]:
     return [
         {"instruction": f"{prefix} question {i}", "input": "", "output": f"answer number {i}."}

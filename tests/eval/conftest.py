@@ -28,14 +28,6 @@ def toy_task(tmp_path) -> Path:
 
 
 @pytest.fixture
-def home(tokenizer, tmp_path, monkeypatch):
-    """A private TUNEFORGE_HOME (set after the tokenizer fixture has found the built-in model)."""
-    path = tmp_path / "tf-home"
-    monkeypatch.setenv("TUNEFORGE_HOME", str(path))
-    return path
-
-
-@pytest.fixture
 def tiny_cfg(tiny_model_dir):
     """A validated eval config on the tiny model: tiny_cfg(key=value, ...)."""
 
