@@ -93,15 +93,14 @@ def cmd_train(args) -> int:
         return 0
     from tuneforge.train.launch import launch_plan, relaunch
     from tuneforge.train.ray_launch import ray_requested, run_on_ray
+    from tuneforge.workflow import run
 
     if ray_requested(cfg):  # use_ray / USE_RAY=1: the same run in Ray Train workers; rank 0's results come back
-        r = run_on_ray(cfg, ask=args.ask)
+        r = run_on_ray(cfg, run, ask=args.ask)
     else:
         plan = launch_plan()  # several devices or FORCE_TORCHRUN=1: the same command on many processes
         if plan is not None:
             return relaunch(plan, args.argv)
-        from tuneforge.workflow import run
-
         r = run(cfg, ask=args.ask)
         if os.environ.get("RANK", "0") != "0":
             return 0  # rank 0 reports for all

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,9 @@ def storage_path(cfg: RunConfig) -> str:
     return path if "://" in path else Path(path).expanduser().absolute().as_posix()
 
 
-def run_on_ray(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
-    """Train in ray_num_workers Ray Train workers; rank 0's results (what `workflow.run` returns)."""
+def run_on_ray(cfg: RunConfig, train: Callable[..., dict[str, Any]], ask: str | None = None) -> dict[str, Any]:
+    """Run train(cfg, ask=ask) (the caller passes `workflow.run`, which train must not import) in
+    ray_num_workers Ray Train workers; returns rank 0's results."""
     check()
     import ray
     from ray.train import RunConfig as RayRunConfig
@@ -95,7 +96,7 @@ def run_on_ray(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
         user_env = ((init_kwargs.get("runtime_env") or {}).get("env_vars") or {})
         trainer = TorchTrainer(
             _train_worker,
-            train_loop_config={"cfg": cfg, "ask": ask, "cwd": os.getcwd()},
+            train_loop_config={"cfg": cfg, "train": train, "ask": ask, "cwd": os.getcwd()},
             torch_config=TorchConfig(timeout_s=cfg.train.ddp_timeout),
             scaling_config=ScalingConfig(
                 num_workers=r.ray_num_workers, use_gpu=resources.get("GPU", 0) > 0,
@@ -171,9 +172,7 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
         from ray.train.torch import get_device
 
         torch.cuda.set_device(get_device())  # the model loads on the current device
-    from tuneforge.workflow import run
-
-    results = run(config["cfg"], ask=config["ask"])
+    results = config["train"](config["cfg"], ask=config["ask"])
     return results if rank == 0 else None
 
 
