@@ -85,6 +85,12 @@ def cmd_train(args) -> int:
         raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
     if args.ask and cfg.train.fsdp:
         raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
+    if args.ask and cfg.train.deepspeed:
+        from tuneforge.config.deepspeed import deepspeed_settings
+
+        if deepspeed_settings(cfg).partitions_weights:
+            raise ConfigError("--ask does not run on ZeRO-3's partitioned weights; ask with `tuneforge chat` after "
+                              "training")
     if not cfg.train.do_train:
         if not (cfg.train.do_predict or cfg.train.do_eval):
             raise ConfigError(f"{cfg.source}: do_train is false and neither do_eval nor do_predict is set: "

@@ -71,7 +71,8 @@ def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
     it after training; a process that fails just exits, and torchrun ends the others and names it."""
     from tuneforge.train import dist
 
-    joined = dist.setup(cfg.train.ddp_timeout, cfg.train.data_wait_timeout)
+    # DeepSpeed's engine runs on a process group, also in a single process
+    joined = dist.setup(cfg.train.ddp_timeout, cfg.train.data_wait_timeout, alone=bool(cfg.train.deepspeed))
     results = _run(cfg, ask)
     if joined:
         dist.teardown()

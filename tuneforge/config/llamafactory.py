@@ -71,7 +71,7 @@ NOT_YET: tuple[str, ...] = (
     "eval_accumulation_steps", "eval_delay", "tf32", "data_seed",
     "local_rank", "ddp_backend", "dataloader_drop_last", "label_names", "load_best_model_at_end",
     "metric_for_best_model", "greater_is_better", "ignore_data_skip",
-    "deepspeed", "label_smoothing_factor", "optim_args", "group_by_length", "push_to_hub",
+    "label_smoothing_factor", "optim_args", "group_by_length", "push_to_hub",
     "hub_model_id", "hub_strategy", "hub_token", "torch_compile", "neftune_noise_alpha",
     "prediction_loss_only", "fp16_full_eval", "bf16_full_eval", "torch_empty_cache_steps",
 )

@@ -158,6 +158,9 @@ class TrainArgs:
     fsdp_config: dict | str | None = opt(
         None, help="FSDP2 settings (a mapping or a JSON file): reshard_after_forward, cpu_offload, transformer_layer_cls_to_wrap"
     )
+    deepspeed: dict | str | None = opt(
+        None, help="DeepSpeed ZeRO: the path of a DeepSpeed JSON config (\"auto\" values are filled) or a mapping"
+    )
     do_predict: bool = opt(False, help="generate answers for the eval set (with predict_with_generate)")
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
 

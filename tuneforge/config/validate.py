@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
+from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings, planned_processes
 from tuneforge.config.schema import IMPLEMENTED_STAGES, REFERENCE_FREE_LOSSES, RunConfig
 from tuneforge.errors import ConfigError
@@ -67,6 +69,8 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
         fail("adapter_name_or_path needs finetuning_type lora or oft")
     _check_preference(cfg, fail)
+    if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
+        deepspeed_settings(cfg)
     _check_fsdp(cfg, fail, for_training)
 
     # data
@@ -227,17 +231,34 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
     if me.pissa_init:
         fail("fsdp with pissa_init is not supported (the PiSSA conversion needs the whole adapter in one "
              "process); drop pissa_init or fsdp")
-    processes = planned_processes() if for_training and t.do_train else None
-    ray = getattr(cfg, "ray", None)
-    if ray is not None and (ray.use_ray or os.environ.get("USE_RAY", "").strip().lower() in ("1", "true", "yes", "y")):
-        processes = ray.ray_num_workers  # the Ray Train workers are the processes
-    if processes == 1:
+    if _planned_processes(cfg, for_training) == 1:
         fail("fsdp shards the model over several processes, but this run starts one; start several "
              "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false")
 
 
+def _planned_processes(cfg: RunConfig, for_training: bool) -> int | None:
+    """How many processes this training run will start (None when it is not known here)."""
+    if not (for_training and cfg.train.do_train):
+        return None
+    ray = getattr(cfg, "ray", None)
+    if ray is not None and (ray.use_ray or os.environ.get("USE_RAY", "").strip().lower() in ("1", "true", "yes", "y")):
+        return ray.ray_num_workers  # the Ray Train workers are the processes
+    return planned_processes()
+
+
 def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:
-    """A checkpoint resumes under the strategy that wrote it: sharded (fsdp) or whole."""
+    """A checkpoint resumes under the strategy that wrote it: sharded (fsdp), DeepSpeed's, or whole."""
+    written_by_deepspeed = (folder / DEEPSPEED_CHECKPOINT).is_dir()
+    if written_by_deepspeed != bool(cfg.train.deepspeed) and (folder / "trainer_state.json").is_file():
+        fail(f"{folder} was written {'with' if written_by_deepspeed else 'without'} deepspeed; resume it "
+             f"{'with the same deepspeed config' if written_by_deepspeed else 'without deepspeed'}, or start afresh")
+    layout = folder / DEEPSPEED_LAYOUT
+    if written_by_deepspeed and layout.is_file():
+        saved = json.loads(layout.read_text()).get("processes")
+        planned = _planned_processes(cfg, for_training=True)
+        if saved and planned and saved != planned:
+            fail(f"{folder} holds ZeRO partitions cut for {saved} processes, but this run starts {planned}; resume "
+                 f"it on {saved} processes (e.g. FORCE_TORCHRUN=1 NPROC_PER_NODE={saved}), or start afresh")
     sharded = (folder / SHARDED_CHECKPOINT).is_dir()
     if sharded and not cfg.train.fsdp:
         fail(f"{folder} is a sharded checkpoint of an fsdp run; resume it with the same fsdp setting")

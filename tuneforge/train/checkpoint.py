@@ -7,6 +7,7 @@ sibling folder and renamed into place, so a checkpoint-N folder, once it exists,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -88,6 +89,19 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         os.rename(final, old)
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def folder_of_all_ranks(final: Path, is_main: bool) -> Iterator[Path]:
+    """A temporary folder every rank writes its part into (a sharded checkpoint); rank 0 renames it to `final`
+    once all have written (collective: every rank enters and leaves it)."""
+    import torch.distributed as dist
+
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
+    with atomic_dir(final) if is_main else contextlib.nullcontext(tmp) as folder:
+        dist.barrier()  # the folder exists
+        yield folder
+        dist.barrier()  # every rank has written its part
 
 
 def remove_stale_temporaries(output_dir: Path) -> None:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tuneforge.train.launch import under_torchrun
+from tuneforge.train.launch import free_port, under_torchrun
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,12 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def setup(timeout_s: int, data_timeout_s: int) -> bool:
+def setup(timeout_s: int, data_timeout_s: int, alone: bool = False) -> bool:
     """Join the process group when torchrun started this process with WORLD_SIZE > 1; True when joined.
 
     A group that the launcher already set up (Ray Train's workers) is used as it is: only the data group
-    is added, and teardown leaves the launcher's group to the launcher."""
+    is added, and teardown leaves the launcher's group to the launcher. alone: a single process that still
+    needs a group of its own (DeepSpeed's engine runs on one), on a free local port."""
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() <= 1 or "data_group" in _state:
             return False
@@ -48,7 +49,12 @@ def setup(timeout_s: int, data_timeout_s: int) -> bool:
         logger.info("rank %d of %d uses the launcher's process group (%s)", dist.get_rank(), dist.get_world_size(),
                     dist.get_backend())
         return True
-    if not under_torchrun() or int(os.environ["WORLD_SIZE"]) <= 1:
+    if alone and not under_torchrun():  # a group of one, set up as torchrun would (DeepSpeed reads LOCAL_RANK)
+        single = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+        os.environ.update(single)
+        _state["set_env"] = list(single)  # removed again by teardown
+    if not under_torchrun() or (int(os.environ["WORLD_SIZE"]) <= 1 and not alone):
         return False
     cuda = torch.cuda.is_available()
     if cuda:
@@ -68,6 +74,8 @@ def teardown() -> None:
     dist.barrier(group=group)
     launcher_group = _state.get("launcher_group", False)
     releases = _state.get("releases", [])
+    for key in _state.get("set_env", []):
+        os.environ.pop(key, None)
     _state.clear()
     if releases:  # FSDP2 ran: let go of the groups, so that destroying them below really ends them
         for release in releases:

@@ -26,7 +26,7 @@ from transformers import set_seed
 
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
-from tuneforge.train import callbacks, checkpoint, fsdp
+from tuneforge.train import callbacks, checkpoint, deepspeed, fsdp
 from tuneforge.train.dist import data_parallel
 from tuneforge.train.objectives import Objective, lm_objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
@@ -187,7 +187,9 @@ class Trainer:
             self.step_module = fsdp.shard(model, objective, cfg, self.device)
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.fp16 and self.device.type == "cuda")
+        # DeepSpeed scales an fp16 loss itself
+        scaling = t.fp16 and self.device.type == "cuda" and not deepspeed.enabled(cfg)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=scaling)
         if t.fp16 and self.device.type != "cuda":
             logger.warning("fp16 on %s runs without loss scaling; bf16 is the safer choice", self.device.type)
         if t.bf16 and self.device.type == "cpu" and not cpu_has_native_bf16():
@@ -196,8 +198,13 @@ class Trainer:
                 "many times slower than fp32; set bf16: false to train in fp32 here",
                 torch.backends.cpu.get_cpu_capability(),
             )
-        if not self.sharded:
+        self.engine = deepspeed.Engine(model, objective, self.optimizer, cfg) if deepspeed.enabled(cfg) else None
+        if self.engine is not None:  # ZeRO partitions the optimizer built above (and at stage 3 the weights)
+            self.step_module = self.engine
+        elif not self.sharded:
             self.step_module = data_parallel(model, objective, self.device)  # forward = the objective
+        # every rank must run each forward when each forward gathers weights from all ranks
+        self.gathers_weights = self.sharded or (self.engine is not None and self.engine.partitions_weights)
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
@@ -259,10 +266,15 @@ class Trainer:
             # under DDP, gradients are all-reduced once per step: with the last micro-batch's backward
             last = i == len(batches) - 1
             no_sync = getattr(self.step_module, "no_sync", None)
-            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            if self.engine is not None:  # DeepSpeed reduces when the accumulation boundary comes
                 with self._autocast():
-                    out = self.step_module(self._to_device(batch))
-                self.scaler.scale(out.loss_sum * scale).backward()
+                    out = self.engine(self._to_device(batch))
+                self.engine.backward(out.loss_sum * scale, last)
+            else:
+                with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                    with self._autocast():
+                        out = self.step_module(self._to_device(batch))
+                    self.scaler.scale(out.loss_sum * scale).backward()
             loss_sum += out.loss_sum.detach().float()
             add_into(metrics, out.metrics)
             add_into(counts, out.counts)
@@ -282,11 +294,15 @@ class Trainer:
                 f"step {step}: the loss is {loss_value}. Lower learning_rate (now {t.learning_rate:g})"
                 f"{', or use bf16 instead of fp16' if t.fp16 else ''}, and check the data of this step"
             )
-        grad_norm = self._clip_gradients(step)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if self.engine is not None:  # reduce, clip, step, zero the gradients (fp16: DeepSpeed skips an overflow)
+            grad_norm = self.engine.step()
+            grad_norm = grad_norm if t.fp16 else self._check_norm(grad_norm, step)
+        else:
+            grad_norm = self._clip_gradients(step)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.session.steps, self.session.tokens = self.session.steps + 1, self.session.tokens + int(tokens)
         self.session.samples += samples
         metric_values = {k: float(v) for k, v in metrics.items()}
@@ -300,7 +316,11 @@ class Trainer:
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        if not math.isfinite(norm) and not self.scaler.is_enabled():  # with fp16 the scaler skips the step
+        return norm if self.scaler.is_enabled() else self._check_norm(norm, step)  # fp16: the scaler skips the step
+
+    def _check_norm(self, norm: float, step: int) -> float:
+        t = self.cfg.train
+        if not math.isfinite(norm):
             raise TrainingError(
                 f"step {step}: the gradient norm is {norm}. Lower learning_rate (now {t.learning_rate:g}) "
                 f"or set max_grad_norm (now {t.max_grad_norm:g})"
@@ -352,13 +372,13 @@ class Trainer:
         size = self.cfg.train.per_device_eval_batch_size
         rows = list(range(self.rank, len(self.eval_dataset), self.world_size))
         batches = [(rows[start : start + size], True) for start in range(0, len(rows), size)]
-        if self.sharded:  # the same number of forwards on every rank, each gathering the weights
+        if self.gathers_weights:  # the same number of forwards on every rank
             batches = fsdp.eval_batches(len(self.eval_dataset), size, self.rank, self.world_size)
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for indices, counted in batches:
             batch = self.collator([self.eval_dataset[i] for i in indices])
             with self._autocast():
-                if self.sharded:
+                if self.gathers_weights:
                     out = self.step_module(self._to_device(batch))
                 else:
                     out = self.objective(self.model, self._to_device(batch))
@@ -434,7 +454,9 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         parts = (self.model, self.tokenizer, self.optimizer, self.scheduler, self.scaler, self.state)
-        if self.sharded:  # every rank writes its shards
+        if self.engine is not None:  # every rank writes its partitions
+            self.engine.save_checkpoint(self.output_dir, self.tokenizer, self.scheduler, self.state, is_main=self.is_main)
+        elif self.sharded:  # every rank writes its shards
             fsdp.save_checkpoint(self.output_dir, *parts, is_main=self.is_main)
         elif self.is_main:
             checkpoint.save_checkpoint(self.output_dir, *parts)
@@ -448,8 +470,10 @@ class Trainer:
         self.pissa_init = checkpoint.keep_pissa_init(self.model, self.output_dir, folder, write=self.is_main)
         if folder is not None:
             parts = (self.model, self.optimizer, self.scheduler, self.scaler)
-            load = fsdp.load_checkpoint if self.sharded else checkpoint.load_checkpoint
-            self.state = load(folder, *parts)
+            if self.engine is not None:
+                self.state = self.engine.load_checkpoint(folder, self.scheduler)
+            else:
+                self.state = (fsdp.load_checkpoint if self.sharded else checkpoint.load_checkpoint)(folder, *parts)
             self.state.total_steps = self.total_steps
             if self.state.batches_in_epoch >= self.micro_batches_per_epoch:  # the data shrank since the save
                 self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
@@ -508,14 +532,16 @@ class Trainer:
     def _finish(self, results: dict[str, Any], resumed_from: Path | None) -> None:
         self.progress.close()
         self.reporters.close()
-        if self.sharded:  # every rank sends its shards; rank 0 writes the folder
+        pissa_convert = self.cfg.method.pissa_convert
+        if self.engine is not None:  # at ZeRO-3 every rank sends its partitions; rank 0 writes the folder
+            self.engine.save_final_model(self.model, self.tokenizer, self.output_dir, self.pissa_init, pissa_convert,
+                                         is_main=self.is_main)
+        elif self.sharded:  # every rank sends its shards; rank 0 writes the folder
             fsdp.save_final_model(self.model, self.tokenizer, self.output_dir, is_main=self.is_main)
         if not self.is_main:
             return
-        if not self.sharded:
-            checkpoint.save_final_model(
-                self.model, self.tokenizer, self.output_dir, self.pissa_init, self.cfg.method.pissa_convert
-            )
+        if self.engine is None and not self.sharded:
+            checkpoint.save_final_model(self.model, self.tokenizer, self.output_dir, self.pissa_init, pissa_convert)
         checkpoint.write_results(self.output_dir, results, self.state)
         if self.cfg.train.plot_loss:
             callbacks.plot_losses(self.state.log_history, self.output_dir)

@@ -25,6 +25,7 @@ from tuneforge.train.objectives.lm import (
     MODEL_INPUTS,
     _accepts_logits_to_keep,
     can_fuse_head,
+    partitioned_head,
     supervised_positions,
 )
 
@@ -101,7 +102,7 @@ def sequence_logps(
         # the position that predicts a target is in the target's own sequence (boundaries are never targets)
         owners = batch["sequence_ids"][keep]
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if head == "fused" or (head == "auto" and can_fuse_head(model)):
+    if head == "fused" or (head == "auto" and can_fuse_head(model) and not partitioned_head(model)):
         projection = model.get_output_embeddings()
         hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[keep]
         vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
