@@ -79,6 +79,8 @@ def test_zero3_lora_trains_what_one_process_trains_and_resumes_exactly(tmp_path,
               "gradient_accumulation_steps=2", "learning_rate=1e-2", "save_steps=2", Z3, processes=2)
     assert "deepspeed: ZeRO stage 3 over 2 processes, fp32" in r.stderr
     assert r.stdout.count("adapter saved in") == 1
+    peaks = json.loads((two / "train_results.json").read_text())["train_peak_memory_mb_per_rank"]
+    assert len(peaks) == 2 and all(p > 0 for p in peaks)
     assert_same_steps(plain_sft, two)
     assert_same_weights(load_file(plain_sft / "adapter_model.safetensors"), load_file(two / "adapter_model.safetensors"))
     saved = two / "checkpoint-2"

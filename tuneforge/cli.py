@@ -122,7 +122,11 @@ def cmd_train(args) -> int:
         perplexity = f" (perplexity {r['perplexity']:.2f})" if "perplexity" in r else ""
         shown = [f"{k} {r[k]:.4f}" for k in ("eval_rewards/accuracies", "eval_rewards/margins") if k in r]
         print(", ".join([f"eval_loss {r['eval_loss']:.4f}{perplexity}", *shown]))
-    print(f"{r.get('train_tokens_per_second', 0):.1f} tokens/s, {r.get('train_runtime', 0):.1f} s")
+    speed = f"{r.get('train_tokens_per_second', 0):.1f} tokens/s, {r.get('train_runtime', 0):.1f} s"
+    if "train_peak_memory_mb" in r:
+        per_rank = r.get("train_peak_memory_mb_per_rank")
+        speed += f", peak memory {r['train_peak_memory_mb']:.0f} MiB" + (" (largest process)" if per_rank else "")
+    print(speed)
     if "answers" in r:
         a = r["answers"]
         print(f"\nQ: {a['question']}\nbefore training: {a['before']}\nafter training:  {a['after']}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,6 +253,7 @@ def test_final_adapter_and_results(tmp_path, tiny_model_dir, tokenizer):
         "train_samples_per_second",
         "train_steps_per_second",
         "train_tokens_per_second",
+        "train_peak_memory_mb",
     }
     assert set(json.loads((out / "train_results.json").read_text())) == expected_train
     assert set(results) == expected_train | {"eval_loss", "perplexity"}
@@ -327,3 +329,17 @@ def test_eval_on_start_records_the_untrained_model(tmp_path, tiny_model_dir):
     assert [e["step"] for e in evaluations] == [0, 2]
     assert evaluations[0]["eval_loss"] == pytest.approx(before["eval_loss"], abs=1e-6)
     assert evaluations[1]["eval_loss"] < evaluations[0]["eval_loss"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux: the peak RSS through /proc")
+def test_peak_memory_counts_training_not_what_came_before(tmp_path, tiny_model_dir):
+    import resource
+
+    big = torch.ones(512 * 2**20 // 4)  # 512 MiB resident before training, as a model being loaded would be
+    del big
+    lifetime_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cfg = make_cfg(tmp_path / "out", tiny_model_dir, max_steps=1)
+    results = Trainer(cfg, load_model(tiny_model_dir), None, random_dataset(LENGTHS), None, collate).train()
+    assert 0 < results["train_peak_memory_mb"] < lifetime_peak_mb - 400
+    assert "train_peak_memory_mb_per_rank" not in results  # one process
+

@@ -18,6 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tuneforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -250,3 +252,28 @@ class Session:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start measuring this process's peak memory afresh (so loading the weights does not count)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the resident set's high-water mark (VmHWM) to the current size
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """The peak since reset_peak_memory: allocated device memory on CUDA, the resident set (RSS) on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+

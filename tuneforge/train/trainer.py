@@ -505,6 +505,7 @@ class Trainer:
             t.gradient_accumulation_steps,
         )
         self.session = callbacks.Session()
+        callbacks.reset_peak_memory(self.device)  # training's peak, not loading's
         return folder
 
     def _results(self) -> dict[str, Any]:
@@ -524,6 +525,13 @@ class Trainer:
             "train_steps_per_second": per_second(run.steps),
             "train_tokens_per_second": per_second(run.tokens),
         }
+        # every rank's peak memory since training started (RSS on a CPU, allocated memory on CUDA)
+        own = callbacks.peak_memory_mb(self.device)
+        peaks = all_reduce_sum([(own or 0.0) if r == self.rank else 0.0 for r in range(self.world_size)], self.device)
+        if own is not None:
+            results["train_peak_memory_mb"] = round(max(peaks), 1)
+            if self.world_size > 1:
+                results["train_peak_memory_mb_per_rank"] = [round(p, 1) for p in peaks]
         evals = [e for e in s.log_history if "eval_loss" in e]
         if evals:
             results.update({k: v for k, v in evals[-1].items() if k not in ("epoch", "step")})
