@@ -109,12 +109,18 @@ def test_zero3_full_dpo_partitions_its_reference_and_saves_a_whole_model(tmp_pat
     from transformers import AutoModelForCausalLM
 
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ("finetuning_type=full", "learning_rate=1e-3", "save_strategy=no")
+    # 9 held-out pairs, evaluated at the end in batches of 2: under ZeRO-3 rank 0 runs 3 forwards (5 pairs) and
+    # rank 1 one more than its 4 pairs need (uncounted), since every forward gathers the weights from both ranks
+    common = ("finetuning_type=full", "learning_rate=1e-3", "save_strategy=no", "val_size=9",
+              "per_device_eval_batch_size=2")
     train("examples/dpo_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4", *common)
     r = train("examples/dpo_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2", *common, Z3,
               processes=2)
     assert "deepspeed: the reference model is partitioned like the policy (ZeRO-3)" in r.stderr
     assert_same_steps(one, two, ("loss", "grad_norm", "rewards/margins", "rewards/accuracies"))
+    evaluated_one, evaluated_two = (json.loads((out / "eval_results.json").read_text()) for out in (one, two))
+    for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"):
+        assert evaluated_two[key] == pytest.approx(evaluated_one[key], abs=TOL), key
     # the gathered model: every weight (the tied head once), the same as one process's
     assert_same_weights(load_file(one / "model.safetensors"), load_file(two / "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(two)
