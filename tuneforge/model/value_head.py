@@ -38,7 +38,13 @@ def hidden_size(config: Any) -> int:
 
 class ValueHeadModel(torch.nn.Module):
     """model: the causal LM (plain or peft-wrapped); v_head_state: saved v_head weights, else a fresh
-    zero-mean init (normal, std 1/sqrt(hidden_size + 1); bias 0)."""
+    zero-mean init (normal, std 1/sqrt(hidden_size + 1); bias 0).
+
+    The bias is frozen. The rm loss reads only differences of scores (r_chosen − r_rejected), from which the
+    bias cancels: its gradient is zero but for rounding (~1e-8), and AdamW normalizes a gradient that small into
+    a step of up to the learning rate, so a trained bias (and every score with it) would drift by rounding
+    noise, a different drift for another batch layout or number of processes. A head trained on absolute
+    targets (a PPO critic's values) would unfreeze it."""
 
     def __init__(self, model: torch.nn.Module, v_head_state: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
@@ -48,6 +54,7 @@ class ValueHeadModel(torch.nn.Module):
         self.v_head = torch.nn.Linear(size, 1, dtype=torch.float32, device=device)
         torch.nn.init.normal_(self.v_head.weight, std=1 / math.sqrt(size + 1))
         torch.nn.init.zeros_(self.v_head.bias)
+        self.v_head.bias.requires_grad_(False)  # see the class docstring
         if v_head_state is not None:
             self.load_value_head_state(v_head_state)
 
