@@ -104,6 +104,8 @@ def shard(model: torch.nn.Module, objective: Any, cfg: RunConfig, device: torch.
     reference = getattr(objective, "reference", None)
     if isinstance(reference, ModelReference):
         objective.reference = ShardedReference(reference, settings, mesh, offload)
+        logger.info("fsdp: the frozen reference model is sharded like the policy (%s units + its root)",
+                    objective.reference.units)
     logger.info(
         "fsdp: %d %s units + the root over %s processes (%s%s%s), %s",
         len(layers), layer_names,
@@ -180,7 +182,10 @@ class ShardedReference(ModelReference):
     def __init__(self, reference: ModelReference, settings: FsdpSettings, mesh: DeviceMesh, offload) -> None:
         self.model, self.head, self.chunk_tokens = reference.model, reference.head, reference.chunk_tokens
         self.step = _ReferenceLogps(self.model, self.head, self.chunk_tokens)
-        for layer in reversed(layers_to_shard(self.model, settings)):
+        layers = layers_to_shard(self.model, settings)
+        # named before fully_shard, which gives each module a class of its own (FSDPLlamaDecoderLayer)
+        self.units = f"{len(layers)} {'/'.join(sorted({type(x).__name__ for x in layers})) or 'no layer'}"
+        for layer in reversed(layers):
             fully_shard(layer, mesh=mesh, offload_policy=offload)
         fully_shard(self.step, mesh=mesh, offload_policy=offload, reshard_after_forward=True)
 
@@ -202,23 +207,13 @@ def _trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return {"model": {k: v for k, v in model_state.items() if k in trainable}, "optimizer": optimizer_state}
 
 
-@contextlib.contextmanager
-def _folder_of_all_ranks(final: Path, is_main: bool) -> Iterator[Path]:
-    """A temporary folder every rank writes into; rank 0 renames it to `final` once all have written."""
-    tmp = final.with_name(f"{checkpoint.TMP_PREFIX}{final.name}")
-    with checkpoint.atomic_dir(final) if is_main else contextlib.nullcontext(tmp) as folder:
-        dist.barrier()  # the folder exists
-        yield folder
-        dist.barrier()  # every rank has written its part
-
-
 def save_checkpoint(
     output_dir: Path, model: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     scaler: torch.amp.GradScaler, state: checkpoint.TrainerState, *, is_main: bool,
 ) -> Path:
     """output_dir/checkpoint-{global_step}, written by every rank (collective) and renamed into place."""
     final = output_dir / f"checkpoint-{state.global_step}"
-    with _folder_of_all_ranks(final, is_main) as folder:
+    with checkpoint.folder_of_all_ranks(final, is_main) as folder:
         dcp.save(_trainable_state(model, optimizer), checkpoint_id=folder / SHARDED_CHECKPOINT)
         torch.save(checkpoint.capture_rng(), folder / f"rng_state_{dist.get_rank()}.pt")
         if is_main:
