@@ -158,7 +158,4 @@ def test_zero2_with_a_llamafactory_config_trains_a_reward_model_as_one_process_d
     for out in (two, alone):
         assert_same_weights(load_file(one / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors"),
                             atol=1e-4)
-        # the head's bias gets no gradient from a pairwise loss (it cancels in r_chosen - r_rejected) but rounding
-        # noise, which AdamW scales up to full steps, so it differs with the order of additions; the weight is checked
-        head_one, head = load_file(one / "value_head.safetensors"), load_file(out / "value_head.safetensors")
-        torch.testing.assert_close(head["v_head.weight"], head_one["v_head.weight"], atol=TOL, rtol=0)
+        assert_same_weights(load_file(one / "value_head.safetensors"), load_file(out / "value_head.safetensors"))
