@@ -66,19 +66,28 @@ def listing(folder):
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def test_two_ray_workers_train_what_one_process_trains(tmp_path, tiny_model_dir, ray_address):
-    assert ray_address.startswith("127.0.0.1:")
-    one = tmp_path / "one"
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir):
+    one = tmp_path_factory.mktemp("one-process") / "one"
     train("examples/sft_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4")
+    return one
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp=full_shard", "deepspeed=examples/deepspeed/ds_z3_config.json"])
+def test_two_ray_workers_train_what_one_process_trains(tmp_path, tiny_model_dir, ray_address, one_process, strategy):
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    assert ray_address.startswith("127.0.0.1:")
     two = tmp_path / "two"
     start = time.monotonic()
     r = train("examples/sft_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2", "use_ray=true",
               "ray_num_workers=2", "resources_per_worker={CPU: 1}", "placement_strategy=PACK",
-              f"ray_init_kwargs={{address: '{ray_address}'}}", f"ray_storage_path={tmp_path / 'ray_results'}")
+              f"ray_init_kwargs={{address: '{ray_address}'}}", f"ray_storage_path={tmp_path / 'ray_results'}",
+              *([] if strategy == "ddp" else [strategy]))
     print(f"ray run: {time.monotonic() - start:.0f} s")
     assert r.stdout.count("adapter saved in") == 1 and "over 3 steps" in r.stdout  # rank 0's summary
-    assert_same_run(one, two, ("loss", "grad_norm"))
-    assert listing(two) == listing(one)
+    assert_same_run(one_process, two, ("loss", "grad_norm"))
+    assert listing(two) == listing(one_process)
     assert (tmp_path / "ray_results").is_dir()  # Ray's run records, outside output_dir
 
 
