@@ -7,42 +7,20 @@ one step's change of a weight at these learning rates, which a wrong gradient sc
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_distributed import logged_steps, train  # FAST: 3 steps, fp32, no eval, no checkpoints, lr 1e-2
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
-FAST = ["max_steps=3", "cutoff_len=64", "logging_steps=1", "disable_tqdm=true", "bf16=false", "val_size=0",
-        "eval_strategy=no", "plot_loss=false"]
 TOL = 1e-5
-Z2, Z3 = "deepspeed=examples/deepspeed/ds_z2_config.json", "deepspeed=examples/deepspeed/ds_z3_config.json"
-
-
-def train(config, out, model_dir, *overrides, processes=1, ok=True):
-    env = {**os.environ, "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(processes)} if processes > 1 else None
-    r = subprocess.run(
-        [sys.executable, "-m", "tuneforge.cli", "train", config, f"output_dir={out}",
-         f"model_name_or_path={model_dir}", *FAST, *overrides],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
-    )
-    if ok:
-        assert r.returncode == 0, r.stderr[-4000:]
-    return r
-
-
-def logged_steps(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
+Z3 = "deepspeed=examples/deepspeed/ds_z3_config.json"
 
 
 def assert_same_steps(one: Path, two: Path, keys=("loss", "grad_norm")) -> None:
@@ -67,8 +45,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 def plain_sft(tmp_path_factory, tiny_model_dir):
     """One process without DeepSpeed, batch 4: what every sft run below must train."""
     out = tmp_path_factory.mktemp("plain-sft")
-    train("examples/sft_lora.yaml", out, tiny_model_dir, "per_device_train_batch_size=4", "learning_rate=1e-2",
-          "save_strategy=no")
+    train("examples/sft_lora.yaml", out, tiny_model_dir, "per_device_train_batch_size=4")
     return out
 
 
@@ -76,7 +53,7 @@ def test_zero3_lora_trains_what_one_process_trains_and_resumes_exactly(tmp_path,
     two = tmp_path / "two"
     # 2 processes x 1 row x 2 accumulated micro-batches: the first backward must not end the accumulation
     r = train("examples/sft_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=1",
-              "gradient_accumulation_steps=2", "learning_rate=1e-2", "save_steps=2", Z3, processes=2)
+              "gradient_accumulation_steps=2", "save_strategy=steps", "save_steps=2", Z3, processes=2)
     assert "deepspeed: ZeRO stage 3 over 2 processes, fp32" in r.stderr
     assert r.stdout.count("adapter saved in") == 1
     peaks = json.loads((two / "train_results.json").read_text())["train_peak_memory_mb_per_rank"]
@@ -93,7 +70,7 @@ def test_zero3_lora_trains_what_one_process_trains_and_resumes_exactly(tmp_path,
     resumed.mkdir()
     shutil.copytree(saved, resumed / "checkpoint-2")
     train("examples/sft_lora.yaml", resumed, tiny_model_dir, "per_device_train_batch_size=1",
-          "gradient_accumulation_steps=2", "learning_rate=1e-2", "resume_from_checkpoint=true", Z3, processes=2)
+          "gradient_accumulation_steps=2", "resume_from_checkpoint=true", Z3, processes=2)
     assert [row["current_steps"] for row in logged_steps(resumed)] == [3]
     assert_same_weights(load_file(two / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors"),
                         atol=0.0)
@@ -111,7 +88,7 @@ def test_zero3_full_dpo_partitions_its_reference_and_saves_a_whole_model(tmp_pat
     one, two = tmp_path / "one", tmp_path / "two"
     # 9 held-out pairs, evaluated at the end in batches of 2: under ZeRO-3 rank 0 runs 3 forwards (5 pairs) and
     # rank 1 one more than its 4 pairs need (uncounted), since every forward gathers the weights from both ranks
-    common = ("finetuning_type=full", "learning_rate=1e-3", "save_strategy=no", "val_size=9",
+    common = ("finetuning_type=full", "learning_rate=1e-3", "val_size=9",
               "per_device_eval_batch_size=2")
     train("examples/dpo_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4", *common)
     r = train("examples/dpo_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2", *common, Z3,
@@ -143,15 +120,14 @@ def test_zero2_with_a_llamafactory_config_trains_a_reward_model_as_one_process_d
         "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}},
     }))
     one, two, alone = tmp_path / "one", tmp_path / "two", tmp_path / "alone"
-    common = ("learning_rate=1e-2", "save_strategy=no")
-    train("examples/rm_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4", *common)
-    r = train("examples/rm_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2", *common,
+    train("examples/rm_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4")
+    r = train("examples/rm_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2",
               f"deepspeed={config}", processes=2)
     assert "deepspeed: ZeRO stage 2 over 2 processes" in r.stderr
     keys = ("loss", "grad_norm", "rewards/accuracies", "rewards/margins")
     assert_same_steps(one, two, keys)
     # ZeRO-3 in a single process, everything offloaded: the value head is gathered for the save
-    r = train("examples/rm_lora.yaml", alone, tiny_model_dir, "per_device_train_batch_size=4", *common,
+    r = train("examples/rm_lora.yaml", alone, tiny_model_dir, "per_device_train_batch_size=4",
               "deepspeed=examples/deepspeed/ds_z3_offload_config.json")
     assert "ZeRO stage 3 over 1 process, optimizer and parameters offloaded to the CPU" in r.stderr
     assert_same_steps(one, alone, keys)
