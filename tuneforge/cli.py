@@ -97,8 +97,9 @@ def cmd_train(args) -> int:
                               f"nothing to do")
         cmd_eval(args)  # LlamaFactory's way to evaluate or predict: `train` with do_train: false
         return 0
+    from tuneforge.config.processes import ray_requested
     from tuneforge.train.launch import launch_plan, relaunch
-    from tuneforge.train.ray_launch import ray_requested, run_on_ray
+    from tuneforge.train.ray_launch import run_on_ray
     from tuneforge.workflow import run
 
     if ray_requested(cfg):  # use_ray / USE_RAY=1: the same run in Ray Train workers; rank 0's results come back

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from tuneforge.config import from_dict
-from tuneforge.config.fsdp import FsdpSettings, fsdp_settings, planned_processes
+from tuneforge.config.fsdp import FsdpSettings, fsdp_settings
+from tuneforge.config.processes import planned_processes
 from tuneforge.errors import ConfigError
 
 TWO = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}
@@ -89,10 +90,12 @@ def test_fsdp_needs_several_processes(tmp_path, monkeypatch):
     assert from_dict({"model_name_or_path": "m", "fsdp": True}, for_training=False).train.fsdp is True
 
 
-def test_planned_processes_follows_the_launch_variables():
-    assert planned_processes({"LOCAL_RANK": "0", "WORLD_SIZE": "4"}) == 4
-    assert planned_processes({"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "NNODES": "3"}) == 6
-    assert planned_processes({"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "two"}) is None  # launch names that error
+def test_planned_processes_follows_the_launch_variables(tmp_path):
+    c = cfg(tmp_path)
+    assert planned_processes(c, {"LOCAL_RANK": "0", "WORLD_SIZE": "4"}) == 4
+    assert planned_processes(c, {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2", "NNODES": "3"}) == 6
+    assert planned_processes(c, {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "two"}) is None  # launch names that error
+    assert planned_processes(c, {"USE_RAY": "1", "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}) == 1  # Ray's workers
 
 
 def test_a_checkpoint_resumes_under_the_strategy_that_wrote_it(tmp_path, two_processes):

@@ -7,10 +7,10 @@ import pytest
 
 from tuneforge.cli import main
 from tuneforge.config import from_dict
+from tuneforge.config.processes import ray_requested
 from tuneforge.errors import ConfigError, DataError
 from tuneforge.train.ray_launch import (
     check,
-    ray_requested,
     shared_env,
     storage_path,
     worker_error,

@@ -9,8 +9,6 @@ it with version 2), or an error that says what to write instead.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,15 +131,3 @@ def fsdp_settings(cfg: RunConfig) -> FsdpSettings | None:
         layer_classes=layers,
         wrap_layers=str(conf.get("auto_wrap_policy", "")).upper() != "NO_WRAP",
     )
-
-
-def planned_processes(env: Mapping[str, str] = os.environ) -> int | None:
-    """How many processes `tuneforge train` will run (None when the launch variables are malformed)."""
-    if "LOCAL_RANK" in env and "WORLD_SIZE" in env:  # started by torchrun
-        return int(env["WORLD_SIZE"])
-    if env.get("FORCE_TORCHRUN", "").strip().lower() in ("1", "true", "yes", "y"):
-        nproc, nnodes = env.get("NPROC_PER_NODE", "").strip(), env.get("NNODES", "1").strip() or "1"
-        return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
-    import torch  # only fsdp runs get here: several visible GPUs start one process each
-
-    return max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1

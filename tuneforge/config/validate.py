@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
-from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings, planned_processes
+from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
+from tuneforge.config.processes import planned_processes
 from tuneforge.config.schema import IMPLEMENTED_STAGES, REFERENCE_FREE_LOSSES, RunConfig
 from tuneforge.errors import ConfigError
 
@@ -231,19 +231,9 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
     if me.pissa_init:
         fail("fsdp with pissa_init is not supported (the PiSSA conversion needs the whole adapter in one "
              "process); drop pissa_init or fsdp")
-    if _planned_processes(cfg, for_training) == 1:
+    if for_training and t.do_train and planned_processes(cfg) == 1:
         fail("fsdp shards the model over several processes, but this run starts one; start several "
              "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false")
-
-
-def _planned_processes(cfg: RunConfig, for_training: bool) -> int | None:
-    """How many processes this training run will start (None when it is not known here)."""
-    if not (for_training and cfg.train.do_train):
-        return None
-    ray = getattr(cfg, "ray", None)
-    if ray is not None and (ray.use_ray or os.environ.get("USE_RAY", "").strip().lower() in ("1", "true", "yes", "y")):
-        return ray.ray_num_workers  # the Ray Train workers are the processes
-    return planned_processes()
 
 
 def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:
@@ -255,7 +245,7 @@ def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:
     layout = folder / DEEPSPEED_LAYOUT
     if written_by_deepspeed and layout.is_file():
         saved = json.loads(layout.read_text()).get("processes")
-        planned = _planned_processes(cfg, for_training=True)
+        planned = planned_processes(cfg)  # (resuming: a training run)
         if saved and planned and saved != planned:
             fail(f"{folder} holds ZeRO partitions cut for {saved} processes, but this run starts {planned}; resume "
                  f"it on {saved} processes (e.g. FORCE_TORCHRUN=1 NPROC_PER_NODE={saved}), or start afresh")

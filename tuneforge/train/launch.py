@@ -18,12 +18,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tuneforge.config.processes import env_flag
 from tuneforge.errors import ConfigError, TrainingError
 
 logger = logging.getLogger(__name__)
-
-TRUE = ("1", "true", "yes", "y")
-
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -74,7 +72,7 @@ def launch_plan(env: Mapping[str, str] = os.environ, device_count: int | None = 
         import torch
 
         device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    forced = env.get("FORCE_TORCHRUN", "").strip().lower() in TRUE
+    forced = env_flag(env, "FORCE_TORCHRUN")
     if not forced and device_count <= 1:
         return None
     if device_count == 0 and not env.get("NPROC_PER_NODE", "").strip():

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.config import RunConfig
+from tuneforge.config.processes import env_flag
 from tuneforge.errors import ConfigError, TrainingError, TuneforgeError
-from tuneforge.train.launch import TRUE, under_torchrun
+from tuneforge.train.launch import under_torchrun
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +31,9 @@ SHARED_ENV_PREFIXES = ("HF_", "TUNEFORGE_", "TRANSFORMERS_", "TOKENIZERS_", "WAN
 SHARED_ENV_NAMES = ("MPLCONFIGDIR", "XDG_CACHE_HOME")
 
 
-def ray_requested(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> bool:
-    """use_ray: true in the config, or USE_RAY=1 in the environment (as in LlamaFactory)."""
-    return cfg.ray.use_ray or env.get("USE_RAY", "").strip().lower() in TRUE
-
-
 def check(env: Mapping[str, str] = os.environ) -> None:
     """What must hold before Ray starts anything: no torchrun launch competing, Ray Train importable."""
-    if env.get("FORCE_TORCHRUN", "").strip().lower() in TRUE or under_torchrun(env):
+    if env_flag(env, "FORCE_TORCHRUN") or under_torchrun(env):
         raise ConfigError(
             "use_ray (or USE_RAY=1) and torchrun (FORCE_TORCHRUN=1, or a process torchrun started) both start "
             "the training processes; choose one: Ray starts ray_num_workers workers itself, so unset "
