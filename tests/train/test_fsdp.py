@@ -6,7 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tuneforge.config.fsdp import FsdpSettings
 from tuneforge.errors import ConfigError
-from tuneforge.train.fsdp import eval_batches, layers_to_shard
+from tuneforge.train.fsdp import layers_to_shard
+from tuneforge.train.trainer import eval_batches
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_a_peft_model_finds_the_base_models_layers(llama):
 
 @pytest.mark.parametrize(("rows", "size", "world"), [(17, 8, 2), (5, 2, 2), (1, 4, 2), (9, 2, 3), (8, 4, 2)])
 def test_eval_batches_give_every_rank_the_same_number_of_forwards(rows, size, world):
-    per_rank = [eval_batches(rows, size, rank, world) for rank in range(world)]
+    per_rank = [eval_batches(rows, size, rank, world, same_count=True) for rank in range(world)]
     assert len({len(batches) for batches in per_rank}) == 1
     counted = sorted(i for batches in per_rank for indices, kept in batches if kept for i in indices)
     assert counted == list(range(rows))  # each row counted once, on one rank
@@ -46,5 +47,6 @@ def test_eval_batches_give_every_rank_the_same_number_of_forwards(rows, size, wo
 
 
 def test_eval_batches_of_one_rank_are_the_unsharded_split():
-    assert eval_batches(5, 2, 0, 1) == [([0, 1], True), ([2, 3], True), ([4], True)]
-    assert eval_batches(17, 8, 1, 2)[-1] == ([1, 3, 5, 7, 9, 11, 13, 15], False)  # 8 rows: one batch, then a repeat
+    assert eval_batches(5, 2, 0, 1, same_count=True) == [([0, 1], True), ([2, 3], True), ([4], True)]
+    assert eval_batches(17, 8, 1, 2, same_count=True)[-1] == ([1, 3, 5, 7, 9, 11, 13, 15], False)  # then a repeat
+    assert eval_batches(17, 8, 1, 2) == [([1, 3, 5, 7, 9, 11, 13, 15], True)]  # DDP: each rank its own rows only

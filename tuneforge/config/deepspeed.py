@@ -189,6 +189,4 @@ def filled_config(settings: ZeroSettings, cfg: RunConfig, hidden_size: int | Non
     if settings.offload_optimizer:  # the optimizer is tuneforge's (torch's), stepping the offloaded fp32 partitions
         ds.setdefault("zero_force_ds_cpu_optimizer", False)
     ds["zero_allow_untested_optimizer"] = True  # ZeRO partitions any torch optimizer's states
-    if settings.partitions_weights:  # the final save gathers the weights (they are saved in the training dtype)
-        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     return ds

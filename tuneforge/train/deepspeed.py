@@ -84,15 +84,16 @@ class Engine:
         deepspeed = _deepspeed()
         settings = deepspeed_settings(cfg)
         self.stage, self.world_size = settings.stage, dist.get_world_size()
-        self.config = filled_config(settings, cfg, _hidden_size(model), self.world_size)
+        config = filled_config(settings, cfg, _hidden_size(model), self.world_size)
         self.engine, *_ = deepspeed.initialize(
-            model=_TupleStep(model, objective), optimizer=optimizer, config=self.config, dist_init_required=False
+            model=_TupleStep(model, objective), optimizer=optimizer, config=config, dist_init_required=False
         )
         self.partitions_weights = settings.partitions_weights
         reference = getattr(objective, "reference", None)
         if isinstance(reference, ModelReference) and self.partitions_weights:
             # an engine without optimizer only partitions the frozen weights and gathers them around each module
-            self.reference_engine, *_ = deepspeed.initialize(model=reference.model, config=self.config,
+            # (kept: its parameter coordinator serves the hooks it put on the reference's modules)
+            self.reference_engine, *_ = deepspeed.initialize(model=reference.model, config=config,
                                                              dist_init_required=False)
             logger.info("deepspeed: the reference model is partitioned like the policy (ZeRO-3)")
         offload = [what for what, on in (("optimizer", settings.offload_optimizer), ("parameters", settings.offload_param))

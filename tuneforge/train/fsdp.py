@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,13 +277,3 @@ def save_final_model(model: torch.nn.Module, tokenizer: Any, output_dir: Path, *
     finally:
         if head is not None:
             head.reshard()
-
-
-def eval_batches(num_rows: int, batch_size: int, rank: int, world_size: int) -> list[tuple[list[int], bool]]:
-    """This rank's evaluation batches as (row indices, counted). Every rank runs the same number of forwards
-    (each gathers weights from all ranks): a rank with fewer rows repeats its last batch uncounted."""
-    rows = list(range(rank, num_rows, world_size))
-    batches = [(rows[i : i + batch_size], True) for i in range(0, len(rows), batch_size)]
-    most = math.ceil(math.ceil(num_rows / world_size) / batch_size)
-    filler = batches[-1][0] if batches else [0]
-    return batches + [(filler, False)] * (most - len(batches))

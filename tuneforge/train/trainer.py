@@ -69,6 +69,22 @@ def epoch_micro_batches(
     return [order[i : i + chunk][rank::world_size] for i in range(0, len(order), chunk)]
 
 
+def eval_batches(
+    num_rows: int, batch_size: int, rank: int = 0, world_size: int = 1, same_count: bool = False
+) -> list[tuple[list[int], bool]]:
+    """This rank's evaluation batches as (row indices, counted): rows rank, rank + world_size, ...
+
+    same_count: every rank runs the same number of forwards (each gathers the weights from all ranks, under
+    FSDP2 or ZeRO-3), so a rank with fewer rows repeats its last batch, uncounted."""
+    rows = list(range(rank, num_rows, world_size))
+    batches = [(rows[i : i + batch_size], True) for i in range(0, len(rows), batch_size)]
+    if not same_count:
+        return batches
+    most = math.ceil(math.ceil(num_rows / world_size) / batch_size)
+    filler = batches[-1][0] if batches else [0]
+    return batches + [(filler, False)] * (most - len(batches))
+
+
 def count_tokens(rows: list[Mapping[str, Any]]) -> int:
     """Non-padding tokens of uncollated rows: every *input_ids column (its *attention_mask sum when present).
 
@@ -370,10 +386,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         size = self.cfg.train.per_device_eval_batch_size
-        rows = list(range(self.rank, len(self.eval_dataset), self.world_size))
-        batches = [(rows[start : start + size], True) for start in range(0, len(rows), size)]
-        if self.gathers_weights:  # the same number of forwards on every rank
-            batches = fsdp.eval_batches(len(self.eval_dataset), size, self.rank, self.world_size)
+        batches = eval_batches(len(self.eval_dataset), size, self.rank, self.world_size, self.gathers_weights)
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for indices, counted in batches:
             batch = self.collator([self.eval_dataset[i] for i in indices])
