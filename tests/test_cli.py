@@ -40,6 +40,15 @@ def test_override_error_names_the_key(tmp_path):
     assert r.returncode == 2 and "key 'lora_rank': expected an integer, got 'abc'" in r.stderr
 
 
+def test_overrides_may_follow_an_option(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model_name_or_path: m\ndataset: identity\noutput_dir: {tmp_path}/o\n")
+    r = run_cli("train", str(cfg), "--ask", "Who are you?", "lora_rank=abc")
+    assert r.returncode == 2 and "key 'lora_rank': expected an integer, got 'abc'" in r.stderr  # read as an override
+    r = run_cli("train", str(cfg), "--ask", "Who are you?", "--no-such-option")
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-option" in r.stderr
+
+
 def test_missing_config_file(tmp_path):
     r = run_cli("train", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "does not exist" in r.stderr

@@ -250,7 +250,14 @@ def cmd_env(_args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value after an option (`train cfg.yaml --ask "..." bf16=false`): argparse leaves it over; it is an override
+    stray = [a for a in extra if "=" in a and not a.startswith("-")]
+    if extra != stray or (stray and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if stray:
+        args.overrides = [*args.overrides, *stray]
     args.argv = argv  # to run the same command again under torchrun
     if args.command == "version":
         print(f"tuneforge {__version__}")
