@@ -1,0 +1,62 @@
+"""The batch contract between the collator, the trainer and the objectives (a leaf module every layer may import).
+
+A collated micro-batch is a `Batch`:
+- `model_inputs`: exactly what the model's forward takes (input_ids, attention_mask or position_ids, the
+  padding-free boundaries cu_seq_lens_q / ..., shared_prefix, and later pixel_values, image_grid_thw, ...).
+  Objectives pass it through untouched: nothing filters it by a list of names.
+- `targets`: what the objective reads beside the model (labels, sequence_ids / sequence_ends,
+  target_positions / target_ids / target_sequences, kto_tags, ref_logps, and later rewards or advantages).
+- `layout`: how the rows are laid out, decided once by the workflow, never guessed from column names.
+- `num_rows` / `num_tokens`: dataset rows and real (non-padding) tokens, counted by the collator from the rows
+  as they were before padding or prompt sharing, for the trainer's throughput figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+ROW_KINDS = ("plain", "pairwise", "feedback")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """rows: what one dataset row holds: plain (one sequence), pairwise (chosen + rejected) or feedback (a judged
+    answer + its KL pair). flat: padding-free, the micro-batch is one row with its sequences back to back.
+    packed: a row holds several samples (position ids restart at 0 inside it). shared_prefix: a pair's two
+    sequences share one copy of their prompt (flat only)."""
+
+    rows: str = "plain"
+    flat: bool = False
+    packed: bool = False
+    shared_prefix: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rows not in ROW_KINDS:
+            raise ValueError(f"Layout.rows must be one of {ROW_KINDS}, not {self.rows!r}")
+        if self.shared_prefix and not self.flat:
+            raise ValueError("a shared-prefix layout is padding-free (flat)")
+
+    @property
+    def samples_share_rows(self) -> bool:
+        """True when one row of input_ids may hold several samples, so a position whose next token starts
+        another sample (position id 0) must never be a target."""
+        return self.flat or self.packed
+
+
+@dataclass
+class Batch:
+    model_inputs: dict[str, Any]
+    targets: dict[str, Any] = field(default_factory=dict)
+    layout: Layout = field(default_factory=Layout)
+    num_rows: int = 0
+    num_tokens: int = 0
+
+    def to(self, device: Any) -> Batch:
+        """The same batch with its tensors on device (non-tensor values as they are)."""
+
+        def move(values: dict[str, Any]) -> dict[str, Any]:
+            return {k: v.to(device, non_blocking=True) if hasattr(v, "to") and hasattr(v, "device") else v
+                    for k, v in values.items()}
+
+        return replace(self, model_inputs=move(self.model_inputs), targets=move(self.targets))
