@@ -93,3 +93,47 @@ def test_preference_defaults_are_llamafactorys(tmp_path):
     assert (m.pref_loss, m.pref_beta, m.pref_ftx, m.simpo_gamma, m.dpo_label_smoothing) == ("sigmoid", 0.1, 0.0, 0.5, 0.0)
     assert (m.kto_chosen_weight, m.kto_rejected_weight, m.precompute_ref_log_probs) == (1.0, 1.0, False)
     assert cfg(tmp_path, stage="dpo", pissa_init=True, ref_model="base").method.ref_model == "base"
+
+
+@pytest.mark.parametrize(
+    ("kw", "keys"),
+    [
+        ({"lora_rank": 0}, ("lora_rank",)),
+        ({"bf16": True, "fp16": True}, ("bf16", "fp16")),
+        ({"per_device_eval_batch_size": 0}, ("per_device_eval_batch_size",)),
+        ({"stage": "sft", "ref_model": "m"}, ("ref_model",)),
+        ({"learnig_rate": 1e-4}, ("learnig_rate",)),  # unknown key (the loader)
+        ({"cutoff_len": "long"}, ("cutoff_len",)),  # wrong type (the loader)
+        ({"deepspeed": "missing.json"}, ("deepspeed",)),
+        ({"fsdp": "full_shard", "fsdp_config": {"version": 1}}, ("fsdp_config",)),
+    ],
+)
+def test_errors_carry_the_keys_at_fault(tmp_path, kw, keys):
+    """A form points at the field: the key travels with the error, not only in its message."""
+    with pytest.raises(ConfigError) as raised:
+        cfg(tmp_path, **kw)
+    assert raised.value.keys == keys
+    assert raised.value.key == keys[0]
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"lr_scheduler_type": "linear", "lr_scheduler_kwargs": {"num_cycles": 0.5}},
+         r"\['num_cycles'\] do not apply to linear \(it takes: none\)"),
+        ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+         r"\['min_lr_rate'\] do not apply to cosine \(it takes: num_cycles\)"),
+        ({"lr_scheduler_type": "cosine_with_min_lr"}, "needs lr_scheduler_kwargs with min_lr_rate"),
+        ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-6, "min_lr_rate": 0.1}},
+         "only one of min_lr and min_lr_rate"),
+    ],
+)
+def test_schedule_arguments_are_checked_when_the_config_loads(tmp_path, kw, message):
+    """transformers would refuse these only once the scheduler is built, after tokenizing and loading."""
+    with pytest.raises(ConfigError, match=message):
+        cfg(tmp_path, **kw)
+
+
+def test_schedule_arguments_each_schedule_takes(tmp_path):
+    assert cfg(tmp_path, lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycles": 1.5})
+    assert cfg(tmp_path, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-6})

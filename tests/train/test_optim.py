@@ -136,9 +136,10 @@ def test_cosine_with_min_lr(tmp_path):
 
 
 def test_cosine_with_min_lr_needs_its_kwargs(tmp_path):
-    cfg = cfg_with(tmp_path, lr_scheduler_type="cosine_with_min_lr")
-    with pytest.raises(ConfigError, match="min_lr_rate"):
-        build_scheduler(build_optimizer(small_llama(), cfg), cfg, 10)
+    # refused when the config loads, before any tokenizing or weight loading
+    with pytest.raises(ConfigError, match="min_lr_rate") as raised:
+        cfg_with(tmp_path, lr_scheduler_type="cosine_with_min_lr")
+    assert raised.value.keys == ("lr_scheduler_type", "lr_scheduler_kwargs")
 
 
 def test_total_and_warmup_steps(tmp_path):

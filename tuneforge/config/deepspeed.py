@@ -94,7 +94,7 @@ def deepspeed_settings(cfg: RunConfig) -> ZeroSettings | None:
     t, me = cfg.train, cfg.method
 
     def fail(msg: str) -> None:
-        raise ConfigError(f"{cfg.source}: {msg}")
+        raise ConfigError(f"{cfg.source}: {msg}", key="deepspeed")
 
     if t.deepspeed in (None, "", False):
         return None
@@ -161,7 +161,7 @@ def filled_config(settings: ZeroSettings, cfg: RunConfig, hidden_size: int | Non
         raise ConfigError(
             f"{cfg.source}: deepspeed: {settings.source} has train_batch_size {given}, but per_device_train_batch_size "
             f"{t.per_device_train_batch_size} x gradient_accumulation_steps {t.gradient_accumulation_steps} x "
-            f"{world_size} processes is {global_batch}; set train_batch_size to \"auto\""
+            f"{world_size} processes is {global_batch}; set train_batch_size to \"auto\"", key="deepspeed",
         )
     hidden = hidden_size or 0
     fills = {

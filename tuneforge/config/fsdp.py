@@ -17,6 +17,7 @@ import yaml
 
 from tuneforge.config.schema import RunConfig
 from tuneforge.errors import ConfigError
+from tuneforge.flags import parse_flag
 
 SHARDED_CHECKPOINT = "sharded"  # the torch.distributed.checkpoint folder inside an fsdp run's checkpoint-N
 FSDP_WORDS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
@@ -41,12 +42,10 @@ class FsdpSettings:
 
 
 def _flag(value: Any, key: str, fail) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).strip().lower() in ("true", "yes", "1", "false", "no", "0"):
-        return str(value).strip().lower() in ("true", "yes", "1")
-    fail(f"fsdp_config: {key} must be true or false (got {value!r})")
-    return False
+    flag = parse_flag(value)
+    if flag is None:
+        fail(f"fsdp_config: {key} must be true or false (got {value!r})")
+    return bool(flag)
 
 
 def _fsdp_config_mapping(raw: dict | str | None, fail) -> dict[str, Any]:
@@ -72,7 +71,7 @@ def fsdp_settings(cfg: RunConfig) -> FsdpSettings | None:
     t = cfg.train
 
     def fail(msg: str) -> None:
-        raise ConfigError(f"{cfg.source}: {msg}")
+        raise ConfigError(f"{cfg.source}: {msg}", key="fsdp_config" if msg.startswith("fsdp_config") else "fsdp")
 
     if t.fsdp is None or t.fsdp is False or t.fsdp == []:
         if t.fsdp_config:

@@ -16,6 +16,7 @@ import yaml
 from tuneforge.config import llamafactory
 from tuneforge.config.schema import GROUPS, RunConfig, key_index
 from tuneforge.errors import ConfigError
+from tuneforge.flags import parse_flag
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +98,9 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"key '{key}': expected a mapping such as {{min_lr_rate: 0.1}}, got {value!r}")
         return value
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.strip().lower() in ("true", "yes", "1")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
+        flag = parse_flag(value)
+        if flag is not None:
+            return flag
         raise ConfigError(f"key '{key}': expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool):
@@ -148,21 +146,21 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
             try:
                 value = coerce(key, value, hints[group][key])
             except ConfigError as e:
-                raise ConfigError(f"{source}: {e}") from None
+                raise ConfigError(f"{source}: {e}", key=key) from None
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 shown = ", ".join("null" if c is None else str(c) for c in choices)
-                raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {shown}")
+                raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {shown}", key=key)
             values[group][key] = value
         elif key in llamafactory.IGNORED:
             logger.debug("%s: key '%s' accepted and ignored: %s", source, key, llamafactory.IGNORED[key])
         elif key in llamafactory.NOT_YET:
             raise ConfigError(
                 f"{source}: LlamaFactory key '{key}' is not supported by tuneforge yet; "
-                f"remove it from the config to run without it"
+                f"remove it from the config to run without it", key=key,
             )
         else:
-            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}")
+            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}", key=key)
     groups = {g: cls(**values[g]) for g, cls in GROUPS.items()}
     return RunConfig(**groups, source=source)
 

@@ -6,18 +6,12 @@ import os
 from collections.abc import Mapping
 
 from tuneforge.config.schema import RunConfig
-
-TRUE = ("1", "true", "yes", "y")
-
-
-def env_flag(env: Mapping[str, str], name: str) -> bool:
-    """A switch in the environment (FORCE_TORCHRUN=1, USE_RAY=true, ...)."""
-    return env.get(name, "").strip().lower() in TRUE
+from tuneforge.flags import env_flag
 
 
 def ray_requested(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> bool:
     """use_ray: true in the config, or USE_RAY=1 in the environment (as in LlamaFactory)."""
-    return cfg.ray.use_ray or env_flag(env, "USE_RAY")
+    return cfg.ray.use_ray or env_flag("USE_RAY", env)
 
 
 def planned_processes(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> int | None:
@@ -26,7 +20,7 @@ def planned_processes(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> in
         return cfg.ray.ray_num_workers  # the Ray Train workers are the processes
     if "LOCAL_RANK" in env and "WORLD_SIZE" in env:  # started by torchrun
         return int(env["WORLD_SIZE"])
-    if env_flag(env, "FORCE_TORCHRUN"):
+    if env_flag("FORCE_TORCHRUN", env):
         nproc, nnodes = env.get("NPROC_PER_NODE", "").strip(), env.get("NNODES", "1").strip() or "1"
         return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
     import torch  # only sharded runs ask: several visible GPUs start one process each

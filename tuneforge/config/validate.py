@@ -33,41 +33,41 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     m, me, d, t = cfg.model, cfg.method, cfg.data, cfg.train
     src = cfg.source
 
-    def fail(msg: str) -> None:
-        raise ConfigError(f"{src}: {msg}")
+    def fail(msg: str, key: str | tuple[str, ...] | None = None) -> None:
+        raise ConfigError(f"{src}: {msg}", key=key)
 
     if not m.model_name_or_path:
-        fail("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)")
+        fail("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)", key="model_name_or_path")
     if me.stage not in IMPLEMENTED_STAGES:
-        fail(f"stage '{me.stage}' is not implemented yet; available: {', '.join(IMPLEMENTED_STAGES)}")
+        fail(f"stage '{me.stage}' is not implemented yet; available: {', '.join(IMPLEMENTED_STAGES)}", key="stage")
 
     # method
     if me.lora_rank <= 0:
-        fail(f"lora_rank must be > 0 (got {me.lora_rank})")
+        fail(f"lora_rank must be > 0 (got {me.lora_rank})", key="lora_rank")
     if me.lora_alpha is not None and me.lora_alpha <= 0:
-        fail(f"lora_alpha must be > 0 (got {me.lora_alpha})")
+        fail(f"lora_alpha must be > 0 (got {me.lora_alpha})", key="lora_alpha")
     if not 0.0 <= me.lora_dropout < 1.0:
-        fail(f"lora_dropout must be in [0, 1) (got {me.lora_dropout})")
+        fail(f"lora_dropout must be in [0, 1) (got {me.lora_dropout})", key="lora_dropout")
     if me.loraplus_lr_ratio is not None and me.loraplus_lr_ratio <= 0:
-        fail(f"loraplus_lr_ratio must be > 0 (got {me.loraplus_lr_ratio})")
+        fail(f"loraplus_lr_ratio must be > 0 (got {me.loraplus_lr_ratio})", key="loraplus_lr_ratio")
     if me.finetuning_type == "oft" and (me.oft_rank > 0) == (me.oft_block_size > 0):
-        fail("oft: set exactly one of oft_rank and oft_block_size > 0 (the other 0)")
+        fail("oft: set exactly one of oft_rank and oft_block_size > 0 (the other 0)", key=("oft_rank", "oft_block_size"))
     if me.use_dora and me.pissa_init:
-        fail("use_dora and pissa_init cannot be combined; choose one")
+        fail("use_dora and pissa_init cannot be combined; choose one", key=("use_dora", "pissa_init"))
     if m.quantization_bit is not None:
         if me.finetuning_type not in ("lora", "oft"):
             fail(
                 f"quantization_bit {m.quantization_bit} needs finetuning_type lora or oft "
-                f"(a quantized base cannot be trained with '{me.finetuning_type}')"
+                f"(a quantized base cannot be trained with '{me.finetuning_type}')", key=("quantization_bit", "finetuning_type")
             )
         if me.pissa_init:
-            fail("pissa_init cannot initialize from a quantized base; drop quantization_bit or pissa_init")
+            fail("pissa_init cannot initialize from a quantized base; drop quantization_bit or pissa_init", key=("pissa_init", "quantization_bit"))
         if importlib.util.find_spec("bitsandbytes") is None:
-            fail("quantization_bit needs bitsandbytes: pip install 'tuneforge[qlora]'")
+            fail("quantization_bit needs bitsandbytes: pip install 'tuneforge[qlora]'", key="quantization_bit")
     if m.flash_attn == "fa2" and importlib.util.find_spec("flash_attn") is None:
-        fail("flash_attn: fa2 needs the flash-attn package; use flash_attn: sdpa or install flash-attn")
+        fail("flash_attn: fa2 needs the flash-attn package; use flash_attn: sdpa or install flash-attn", key="flash_attn")
     if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
-        fail("adapter_name_or_path needs finetuning_type lora or oft")
+        fail("adapter_name_or_path needs finetuning_type lora or oft", key=("adapter_name_or_path", "finetuning_type"))
     _check_preference(cfg, fail)
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
         deepspeed_settings(cfg)
@@ -75,71 +75,94 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
 
     # data
     if for_training and t.do_train and not d.dataset and not d.tokenized_path:
-        fail("dataset is required for training (names from dataset_info.json, comma-separated)")
+        fail("dataset is required for training (names from dataset_info.json, comma-separated)", key="dataset")
     if d.cutoff_len <= 0:
-        fail(f"cutoff_len must be > 0 (got {d.cutoff_len})")
+        fail(f"cutoff_len must be > 0 (got {d.cutoff_len})", key="cutoff_len")
     if d.max_samples is not None and d.max_samples <= 0:
-        fail(f"max_samples must be > 0 (got {d.max_samples})")
+        fail(f"max_samples must be > 0 (got {d.max_samples})", key="max_samples")
     if d.val_size < 0 or (d.val_size >= 1 and not float(d.val_size).is_integer()):
-        fail(f"val_size must be a share in [0, 1) or a whole number of rows (got {d.val_size})")
+        fail(f"val_size must be a share in [0, 1) or a whole number of rows (got {d.val_size})", key="val_size")
     if d.interleave_probs is not None:
         if d.mix_strategy == "concat":
-            fail("interleave_probs needs mix_strategy interleave_under or interleave_over")
+            fail("interleave_probs needs mix_strategy interleave_under or interleave_over", key=("interleave_probs", "mix_strategy"))
         if len(d.interleave_probs) != len(d.dataset or []):
-            fail(f"interleave_probs has {len(d.interleave_probs)} values for {len(d.dataset or [])} datasets")
+            fail(f"interleave_probs has {len(d.interleave_probs)} values for {len(d.dataset or [])} datasets", key="interleave_probs")
         if abs(sum(d.interleave_probs) - 1.0) > 1e-6 or min(d.interleave_probs) < 0:
-            fail(f"interleave_probs must be >= 0 and sum to 1 (got {d.interleave_probs})")
+            fail(f"interleave_probs must be >= 0 and sum to 1 (got {d.interleave_probs})", key="interleave_probs")
     if d.train_on_prompt and d.mask_history:
-        fail("mask_history supervises only the last answer and train_on_prompt every token; choose one")
+        fail("mask_history supervises only the last answer and train_on_prompt every token; choose one", key=("train_on_prompt", "mask_history"))
     if d.eval_dataset and d.val_size > 0:
-        fail(f"val_size {d.val_size} splits the training data, but eval_dataset is set too; drop one of them")
+        fail(f"val_size {d.val_size} splits the training data, but eval_dataset is set too; drop one of them", key=("val_size", "eval_dataset"))
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
-        fail("preprocessing_num_workers must be >= 1")
+        fail("preprocessing_num_workers must be >= 1", key="preprocessing_num_workers")
 
     # training
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                 "logging_steps", "save_steps"):
         if getattr(t, key) < 1:
-            fail(f"{key} must be >= 1 (got {getattr(t, key)})")
+            fail(f"{key} must be >= 1 (got {getattr(t, key)})", key=key)
     if t.learning_rate <= 0:
-        fail(f"learning_rate must be > 0 (got {t.learning_rate})")
+        fail(f"learning_rate must be > 0 (got {t.learning_rate})", key="learning_rate")
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
-        fail("set num_train_epochs > 0 or max_steps > 0")
+        fail("set num_train_epochs > 0 or max_steps > 0", key=("num_train_epochs", "max_steps"))
     if not 0.0 <= t.warmup_ratio <= 1.0:
-        fail(f"warmup_ratio must be in [0, 1] (got {t.warmup_ratio})")
+        fail(f"warmup_ratio must be in [0, 1] (got {t.warmup_ratio})", key="warmup_ratio")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.max_grad_norm < 0:
-        fail("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+        fail("warmup_steps, weight_decay and max_grad_norm must be >= 0", key=("warmup_steps", "weight_decay", "max_grad_norm"))
     if t.bf16 and t.fp16:
-        fail("bf16 and fp16 are both true; choose one")
+        fail("bf16 and fp16 are both true; choose one", key=("bf16", "fp16"))
     if t.ddp_timeout < 1 or t.data_wait_timeout < 1:
-        fail("ddp_timeout and data_wait_timeout are seconds and must be >= 1")
+        fail("ddp_timeout and data_wait_timeout are seconds and must be >= 1", key=("ddp_timeout", "data_wait_timeout"))
     if t.eval_steps is not None and t.eval_steps < 1:
-        fail(f"eval_steps must be >= 1 (got {t.eval_steps})")
+        fail(f"eval_steps must be >= 1 (got {t.eval_steps})", key="eval_steps")
     has_eval = bool(d.eval_dataset) or d.val_size > 0
     if t.eval_strategy != "no" and not has_eval:
-        fail(f"eval_strategy {t.eval_strategy} needs evaluation data: set val_size or eval_dataset")
+        fail(f"eval_strategy {t.eval_strategy} needs evaluation data: set val_size or eval_dataset", key="eval_strategy")
     if t.eval_on_start and not has_eval:
-        fail("eval_on_start needs evaluation data: set val_size or eval_dataset")
+        fail("eval_on_start needs evaluation data: set val_size or eval_dataset", key="eval_on_start")
     if t.early_stopping_steps is not None:
         if t.early_stopping_steps < 1:
-            fail("early_stopping_steps must be >= 1")
+            fail("early_stopping_steps must be >= 1", key="early_stopping_steps")
         if t.eval_strategy == "no":
-            fail("early_stopping_steps watches eval_loss: set eval_strategy: steps and val_size or eval_dataset")
+            fail("early_stopping_steps watches eval_loss: set eval_strategy: steps and val_size or eval_dataset", key=("early_stopping_steps", "eval_strategy"))
     bad_reports = [r for r in t.report_to if r not in ("none", "tensorboard", "wandb", "all")]
     if bad_reports:
-        fail(f"report_to: {bad_reports[0]!r} is not one of none, tensorboard, wandb, all")
+        fail(f"report_to: {bad_reports[0]!r} is not one of none, tensorboard, wandb, all", key="report_to")
     for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if name in t.report_to and importlib.util.find_spec(module) is None:
-            fail(f"report_to: {name} needs the {module} package: pip install {module}, or drop it from report_to")
-    if t.lr_scheduler_kwargs and t.lr_scheduler_type != "cosine_with_min_lr":
-        unknown = set(t.lr_scheduler_kwargs) - {"num_cycles"}
-        if unknown:
-            fail(f"lr_scheduler_kwargs {sorted(unknown)} do not apply to {t.lr_scheduler_type}")
+            fail(f"report_to: {name} needs the {module} package: pip install {module}, or drop it from report_to", key="report_to")
+    _check_scheduler(cfg, fail)
 
     _check_ray(cfg, fail)
 
     if for_training and t.do_train:
         _check_output_dir(cfg, fail)
+
+
+# the keyword arguments each lr_scheduler_type's function in transformers takes (lr_scheduler_kwargs)
+SCHEDULER_KWARGS = {
+    "linear": (),
+    "cosine": ("num_cycles",),
+    "constant": (),
+    "constant_with_warmup": (),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+}
+
+
+def _check_scheduler(cfg: RunConfig, fail) -> None:
+    """lr_scheduler_kwargs against what transformers' schedule function of lr_scheduler_type takes."""
+    kind, kwargs = cfg.train.lr_scheduler_type, cfg.train.lr_scheduler_kwargs
+    unknown = sorted(set(kwargs) - set(SCHEDULER_KWARGS[kind]))
+    if unknown:
+        takes = ", ".join(SCHEDULER_KWARGS[kind]) or "none"
+        fail(f"lr_scheduler_kwargs {unknown} do not apply to {kind} (it takes: {takes})", key="lr_scheduler_kwargs")
+    if kind == "cosine_with_min_lr":
+        given = {"min_lr", "min_lr_rate"} & set(kwargs)
+        if not given:
+            fail("lr_scheduler_type cosine_with_min_lr needs lr_scheduler_kwargs with min_lr_rate (a share of "
+                 "learning_rate, e.g. {min_lr_rate: 0.1}) or min_lr", key=("lr_scheduler_type", "lr_scheduler_kwargs"))
+        if len(given) == 2:
+            fail("lr_scheduler_kwargs: set only one of min_lr and min_lr_rate", key="lr_scheduler_kwargs")
 
 
 def uses_reference(cfg: RunConfig) -> bool:
@@ -151,33 +174,33 @@ def uses_reference(cfg: RunConfig) -> bool:
 def _check_preference(cfg: RunConfig, fail) -> None:
     me, d = cfg.method, cfg.data
     if me.stage in ("rm", "dpo", "kto") and (d.packing or d.neat_packing):
-        fail(f"packing joins samples into one row; stage {me.stage} compares whole sequences, so set packing: false")
+        fail(f"packing joins samples into one row; stage {me.stage} compares whole sequences, so set packing: false", key="packing")
     if me.pref_beta <= 0:
-        fail(f"pref_beta must be > 0 (got {me.pref_beta})")
+        fail(f"pref_beta must be > 0 (got {me.pref_beta})", key="pref_beta")
     if me.pref_ftx < 0 or me.simpo_gamma < 0:
-        fail("pref_ftx and simpo_gamma must be >= 0")
+        fail("pref_ftx and simpo_gamma must be >= 0", key=("pref_ftx", "simpo_gamma"))
     if not 0.0 <= me.dpo_label_smoothing <= 0.5:
-        fail(f"dpo_label_smoothing must be in [0, 0.5] (got {me.dpo_label_smoothing})")
+        fail(f"dpo_label_smoothing must be in [0, 0.5] (got {me.dpo_label_smoothing})", key="dpo_label_smoothing")
     if me.dpo_label_smoothing > 0 and me.pref_loss != "sigmoid":
-        fail(f"dpo_label_smoothing applies to pref_loss sigmoid only (pref_loss is {me.pref_loss})")
+        fail(f"dpo_label_smoothing applies to pref_loss sigmoid only (pref_loss is {me.pref_loss})", key=("dpo_label_smoothing", "pref_loss"))
     if me.kto_chosen_weight <= 0 or me.kto_rejected_weight <= 0:
-        fail("kto_chosen_weight and kto_rejected_weight must be > 0")
+        fail("kto_chosen_weight and kto_rejected_weight must be > 0", key=("kto_chosen_weight", "kto_rejected_weight"))
     if me.ref_model_adapters and not me.ref_model:
-        fail("ref_model_adapters needs ref_model (the base model the adapters belong to)")
+        fail("ref_model_adapters needs ref_model (the base model the adapters belong to)", key=("ref_model_adapters", "ref_model"))
     if me.stage not in ("dpo", "kto"):
         if me.ref_model or me.precompute_ref_log_probs:
             key = "ref_model" if me.ref_model else "precompute_ref_log_probs"
-            fail(f"{key} is for stages dpo and kto; stage {me.stage} has no reference model")
+            fail(f"{key} is for stages dpo and kto; stage {me.stage} has no reference model", key=key)
         return
     if not uses_reference(cfg):
         if me.ref_model or me.precompute_ref_log_probs:
             key = "ref_model" if me.ref_model else "precompute_ref_log_probs"
-            fail(f"pref_loss {me.pref_loss} uses no reference model; drop {key}")
+            fail(f"pref_loss {me.pref_loss} uses no reference model; drop {key}", key=key)
         return
     if me.pissa_init and me.finetuning_type == "lora" and not me.ref_model:
         fail(
             "with pissa_init the policy without its adapter is the residual of the base, not the base, so it "
-            "cannot be the reference; set ref_model: to the base model, or drop pissa_init"
+            "cannot be the reference; set ref_model: to the base model, or drop pissa_init", key=("pissa_init", "ref_model")
         )
 
 
@@ -186,34 +209,34 @@ def _check_ray(cfg: RunConfig, fail) -> None:
     (tuneforge/train/ray_launch.py), since USE_RAY=1 in the environment asks for Ray too."""
     r = cfg.ray
     if r.ray_num_workers < 1:
-        fail(f"ray_num_workers must be >= 1 (got {r.ray_num_workers}): the number of Ray Train workers")
+        fail(f"ray_num_workers must be >= 1 (got {r.ray_num_workers}): the number of Ray Train workers", key="ray_num_workers")
     for name, amount in r.resources_per_worker.items():
         if name in ("cpu", "gpu"):
-            fail(f"resources_per_worker: Ray's resource names are case-sensitive; write {name.upper()}, not {name}")
+            fail(f"resources_per_worker: Ray's resource names are case-sensitive; write {name.upper()}, not {name}", key="resources_per_worker")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
-            fail(f"resources_per_worker: {name} must be a number >= 0 (got {amount!r}), e.g. {{CPU: 4, GPU: 1}}")
+            fail(f"resources_per_worker: {name} must be a number >= 0 (got {amount!r}), e.g. {{CPU: 4, GPU: 1}}", key="resources_per_worker")
 
 
 def _check_output_dir(cfg: RunConfig, fail) -> None:
     t = cfg.train
     if not t.output_dir:
-        fail("output_dir is required (where checkpoints and the final model go)")
+        fail("output_dir is required (where checkpoints and the final model go)", key="output_dir")
     resume = t.resume_from_checkpoint
     if isinstance(resume, str):
         if not Path(resume).is_dir():
-            fail(f"resume_from_checkpoint: {resume} is not a folder; point it at a checkpoint-N folder")
+            fail(f"resume_from_checkpoint: {resume} is not a folder; point it at a checkpoint-N folder", key="resume_from_checkpoint")
         _check_checkpoint_kind(cfg, Path(resume), fail)
         return
     found = checkpoints_in(t.output_dir)
     if resume is True and not found:
-        fail(f"resume_from_checkpoint: true, but {t.output_dir} holds no checkpoint-N folder")
+        fail(f"resume_from_checkpoint: true, but {t.output_dir} holds no checkpoint-N folder", key="resume_from_checkpoint")
     if resume is True and found:
         _check_checkpoint_kind(cfg, found[-1], fail)
     if found and resume is not True and not t.overwrite_output_dir:
         fail(
             f"output_dir {t.output_dir} already holds checkpoints (latest: {found[-1].name}). "
             f"To continue that run set resume_from_checkpoint: true; to start afresh set "
-            f"overwrite_output_dir: true, or choose another output_dir"
+            f"overwrite_output_dir: true, or choose another output_dir", key=("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
         )
 
 
@@ -224,16 +247,16 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
     m, me, t = cfg.model, cfg.method, cfg.train
     if t.fp16:
         fail("fsdp with fp16 needs a loss scaler over sharded gradients, which tuneforge does not have; use "
-             "bf16: true (or fp32)")
+             "bf16: true (or fp32)", key=("fsdp", "fp16"))
     if m.quantization_bit == 8:
         fail("fsdp with quantization_bit 8: bitsandbytes' 8-bit weights cannot be gathered into a checkpoint; "
-             "use quantization_bit: 4")
+             "use quantization_bit: 4", key=("fsdp", "quantization_bit"))
     if me.pissa_init:
         fail("fsdp with pissa_init is not supported (the PiSSA conversion needs the whole adapter in one "
-             "process); drop pissa_init or fsdp")
+             "process); drop pissa_init or fsdp", key=("fsdp", "pissa_init"))
     if for_training and t.do_train and planned_processes(cfg) == 1:
         fail("fsdp shards the model over several processes, but this run starts one; start several "
-             "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false")
+             "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false", key="fsdp")
 
 
 def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:
@@ -241,16 +264,16 @@ def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:
     written_by_deepspeed = (folder / DEEPSPEED_CHECKPOINT).is_dir()
     if written_by_deepspeed != bool(cfg.train.deepspeed) and (folder / "trainer_state.json").is_file():
         fail(f"{folder} was written {'with' if written_by_deepspeed else 'without'} deepspeed; resume it "
-             f"{'with the same deepspeed config' if written_by_deepspeed else 'without deepspeed'}, or start afresh")
+             f"{'with the same deepspeed config' if written_by_deepspeed else 'without deepspeed'}, or start afresh", key=("resume_from_checkpoint", "deepspeed"))
     layout = folder / DEEPSPEED_LAYOUT
     if written_by_deepspeed and layout.is_file():
         saved = json.loads(layout.read_text()).get("processes")
         planned = planned_processes(cfg)  # (resuming: a training run)
         if saved and planned and saved != planned:
             fail(f"{folder} holds ZeRO partitions cut for {saved} processes, but this run starts {planned}; resume "
-                 f"it on {saved} processes (e.g. FORCE_TORCHRUN=1 NPROC_PER_NODE={saved}), or start afresh")
+                 f"it on {saved} processes (e.g. FORCE_TORCHRUN=1 NPROC_PER_NODE={saved}), or start afresh", key="resume_from_checkpoint")
     sharded = (folder / SHARDED_CHECKPOINT).is_dir()
     if sharded and not cfg.train.fsdp:
-        fail(f"{folder} is a sharded checkpoint of an fsdp run; resume it with the same fsdp setting")
+        fail(f"{folder} is a sharded checkpoint of an fsdp run; resume it with the same fsdp setting", key=("resume_from_checkpoint", "fsdp"))
     if cfg.train.fsdp and folder.is_dir() and (folder / "trainer_state.json").is_file() and not sharded:
-        fail(f"{folder} was written without fsdp; resume it without fsdp (drop fsdp), or start afresh")
+        fail(f"{folder} was written without fsdp; resume it without fsdp (drop fsdp), or start afresh", key=("resume_from_checkpoint", "fsdp"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tuneforge.errors import DataError
+from tuneforge.flags import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def check_supported(attr: DatasetAttr) -> None:
 
 
 def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    return env_flag("HF_HUB_OFFLINE")
 
 
 def load_raw(attr: DatasetAttr, dataset_dir: str | Path, *, cache_dir: str | None = None):

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from tuneforge.errors import ModelError
+from tuneforge.flags import env_flag
 from tuneforge.paths import tuneforge_home
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def _from_hub(repo_id: str, *, cache_dir: str | None, revision: str, what: str) 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    offline = env_flag("HF_HUB_OFFLINE")
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tuneforge.config.processes import env_flag
 from tuneforge.errors import ConfigError, TrainingError
+from tuneforge.flags import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def launch_plan(env: Mapping[str, str] = os.environ, device_count: int | None = 
         import torch
 
         device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    forced = env_flag(env, "FORCE_TORCHRUN")
+    forced = env_flag("FORCE_TORCHRUN", env)
     if not forced and device_count <= 1:
         return None
     if device_count == 0 and not env.get("NPROC_PER_NODE", "").strip():

@@ -117,24 +117,14 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """transformers.get_scheduler for lr_scheduler_type, with lr_scheduler_kwargs passed through."""
     t = cfg.train
-    kwargs = dict(t.lr_scheduler_kwargs)
-    if t.lr_scheduler_type == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & set(kwargs):
-        raise ConfigError(
-            f"{cfg.source}: lr_scheduler_type cosine_with_min_lr needs lr_scheduler_kwargs with min_lr_rate "
-            f"(a share of learning_rate, e.g. {{min_lr_rate: 0.1}}) or min_lr"
-        )
-    try:
-        return get_scheduler(
-            t.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=warmup_steps(cfg, total_steps),
-            num_training_steps=total_steps,
-            scheduler_specific_kwargs=kwargs or None,
-        )
-    except TypeError as e:
-        raise ConfigError(
-            f"{cfg.source}: lr_scheduler_kwargs {kwargs} do not fit {t.lr_scheduler_type}: {e}"
-        ) from None
+    # lr_scheduler_kwargs were checked against the schedule's arguments when the config loaded
+    return get_scheduler(
+        t.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=warmup_steps(cfg, total_steps),
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=dict(t.lr_scheduler_kwargs) or None,
+    )
 
 
 def base_learning_rate(optimizer: torch.optim.Optimizer) -> float:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.config import RunConfig
-from tuneforge.config.processes import env_flag
 from tuneforge.errors import ConfigError, TrainingError, TuneforgeError
+from tuneforge.flags import env_flag
 from tuneforge.train.launch import under_torchrun
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ SHARED_ENV_NAMES = ("MPLCONFIGDIR", "XDG_CACHE_HOME")
 
 def check(env: Mapping[str, str] = os.environ) -> None:
     """What must hold before Ray starts anything: no torchrun launch competing, Ray Train importable."""
-    if env_flag(env, "FORCE_TORCHRUN") or under_torchrun(env):
+    if env_flag("FORCE_TORCHRUN", env) or under_torchrun(env):
         raise ConfigError(
             "use_ray (or USE_RAY=1) and torchrun (FORCE_TORCHRUN=1, or a process torchrun started) both start "
             "the training processes; choose one: Ray starts ray_num_workers workers itself, so unset "
