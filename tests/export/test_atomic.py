@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from export_helpers import siblings
 
+from tuneforge.atomic import atomic_folder, remove_stale_partials
 from tuneforge.export import export_model
-from tuneforge.export.atomic import atomic_folder, remove_stale_partials
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -88,3 +88,14 @@ def test_exported_files_are_readable_like_ordinary_files(tmp_path):
     os.umask(mask)
     assert stat.S_IMODE((target / "weights").stat().st_mode) == 0o666 & ~mask
     assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~mask
+
+
+def test_keep_existing_keeps_what_another_process_finished_first(tmp_path):
+    """The tokenized-data cache and the built-in model: two processes building the same entry keep the first."""
+    target = tmp_path / "entry"
+    with atomic_folder(target, keep_existing=True) as tmp:
+        (tmp / "theirs").write_text("first")
+        with atomic_folder(target, keep_existing=True) as other:  # finishes while the first is still writing
+            (other / "mine").write_text("second")
+    assert sorted(p.name for p in target.iterdir()) == ["mine"]  # the first to finish stays
+    assert siblings(target) == []

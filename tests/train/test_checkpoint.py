@@ -19,10 +19,11 @@ import pytest
 import torch
 from train_helpers import collate, load_model, make_cfg, random_dataset, trainable_state
 
+from tuneforge.atomic import atomic_folder, is_partial
 from tuneforge.config import checkpoints_in
 from tuneforge.errors import TrainingError
 from tuneforge.train import Trainer
-from tuneforge.train.checkpoint import atomic_dir, capture_rng, restore_rng
+from tuneforge.train.checkpoint import capture_rng, restore_rng
 
 ADAPTER_FILES = {
     "adapter_model.safetensors",
@@ -68,7 +69,7 @@ def test_rotation_keeps_the_newest(tmp_path, tiny_model_dir, tokenizer):
         cfg, load_model(tiny_model_dir, lora={}), tokenizer, random_dataset(LENGTHS), None, collate
     ).train()
     assert [p.name for p in checkpoints_in(out)] == ["checkpoint-6", "checkpoint-8"]
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p.name for p in out.iterdir() if is_partial(p) or p.name.startswith(".tmp-")]
     for folder in checkpoints_in(out):
         names = {p.name for p in folder.iterdir()}
         assert ADAPTER_FILES | {"tokenizer.json"} <= names
@@ -76,15 +77,15 @@ def test_rotation_keeps_the_newest(tmp_path, tiny_model_dir, tokenizer):
         assert state["global_step"] == int(folder.name.split("-")[1])
 
 
-def test_atomic_dir_leaves_nothing_when_the_write_fails(tmp_path):
+def test_atomic_folder_leaves_nothing_when_the_write_fails(tmp_path):
     final = tmp_path / "checkpoint-3"
-    with pytest.raises(RuntimeError), atomic_dir(final) as tmp:
+    with pytest.raises(RuntimeError), atomic_folder(final) as tmp:
         (tmp / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed mid-save")
     assert list(tmp_path.iterdir()) == []
-    with atomic_dir(final) as tmp:
+    with atomic_folder(final) as tmp:
         (tmp / "a").write_text("old")
-    with atomic_dir(final) as tmp:  # an existing folder is replaced as a whole
+    with atomic_folder(final) as tmp:  # an existing folder is replaced as a whole
         (tmp / "b").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-3"]
     assert [p.name for p in final.iterdir()] == ["b"]
@@ -188,7 +189,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, tiny_model_
         json.loads(line)["current_steps"] for line in (out / "trainer_log.jsonl").read_text().splitlines()
     ]
     assert steps == list(range(1, 10))  # one line per step, none repeated after the resume
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p.name for p in out.iterdir() if is_partial(p) or p.name.startswith(".tmp-")]
 
 
 def test_checkpoint_of_another_adapter_is_refused(tmp_path, tiny_model_dir):

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
+from tuneforge.atomic import atomic_folder
 from tuneforge.data import registry
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
@@ -67,24 +65,9 @@ def save_splits(splits: dict[str, Any], stats: dict[str, Any], target: Path, *, 
     """
     import datasets
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_folder(target, keep_existing=not replace) as tmp:
         datasets.DatasetDict(splits).save_to_disk(str(tmp))
         (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2, default=str), encoding="utf-8")
-        old = None
-        if target.exists() and replace:
-            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.exists():
-                raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_splits(path: Path, *, cache_hit: bool) -> tuple[Any, Any, dict[str, Any]]:

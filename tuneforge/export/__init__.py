@@ -94,7 +94,7 @@ def _check(cfg: RunConfig) -> tuple[Path, list[Path], Path | None]:
 
 def export_model(cfg: RunConfig) -> dict[str, Any]:
     """Merge and write cfg.export.export_dir; returns the paths and a `summary` (lines for the CLI)."""
-    from tuneforge.export.atomic import atomic_folder
+    from tuneforge.atomic import atomic_folder
     from tuneforge.export.turns import derive_turns
     from tuneforge.infer.generation import chat_template, end_of_turn
     from tuneforge.model.inference import load_inference_model

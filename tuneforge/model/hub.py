@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from tuneforge.atomic import atomic_folder
 from tuneforge.errors import ModelError
 from tuneforge.flags import env_flag
 from tuneforge.paths import tuneforge_home
@@ -100,17 +99,10 @@ def builtin_model_dir() -> Path:
         return target
     gguf = _builtin_gguf()
     logger.info("converting %s into %s (once)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_NAME}-", dir=target.parent))
-    try:
+    if target.exists():  # not a finished conversion (no config.json): ours to redo
+        shutil.rmtree(target)
+    with atomic_folder(target, keep_existing=True) as tmp:  # another process may finish first
         convert_gguf(gguf, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -1,8 +1,9 @@
 """Checkpoints that a killed run can resume from exactly, and final outputs that are never half-written.
 
 A checkpoint-N folder holds the model (adapter or full, via save_pretrained), the tokenizer, optimizer.pt,
-scheduler.pt (scaler.pt with fp16), rng_state.pt and trainer_state.json. It is written into a temporary
-sibling folder and renamed into place, so a checkpoint-N folder, once it exists, is complete.
+scheduler.pt (scaler.pt with fp16), rng_state.pt and trainer_state.json. It is written with
+tuneforge.atomic.atomic_folder (a temporary sibling renamed into place), so a checkpoint-N folder, once it
+exists, is complete.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tuneforge.atomic import atomic_folder, partial_folder, remove_partials
 from tuneforge.config import RunConfig, checkpoints_in
 from tuneforge.errors import TrainingError
 from tuneforge.train import pissa
@@ -73,44 +75,26 @@ def write_json(path: Path, data: Any) -> None:
 
 
 @contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `final`, on error it is removed."""
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-    if final.exists():  # a rename cannot land on a non-empty folder: move the old one aside first
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@contextmanager
 def folder_of_all_ranks(final: Path, is_main: bool) -> Iterator[Path]:
     """A temporary folder every rank writes its part into (a sharded checkpoint); rank 0 renames it to `final`
     once all have written (collective: every rank enters and leaves it)."""
     import torch.distributed as dist
 
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
-    with atomic_dir(final) if is_main else contextlib.nullcontext(tmp) as folder:
-        dist.barrier()  # the folder exists
-        yield folder
+    with atomic_folder(final) if is_main else contextlib.nullcontext() as folder:
+        where = [str(folder) if is_main else None]
+        dist.broadcast_object_list(where, src=0)  # the folder exists; every rank learns its name
+        yield Path(where[0])
         dist.barrier()  # every rank has written its part
 
 
 def remove_stale_temporaries(output_dir: Path) -> None:
-    """Temporary folders a killed run left behind (never a finished checkpoint)."""
+    """Temporary files and folders a killed run left behind (never a finished checkpoint)."""
+    remove_partials(output_dir)
     if output_dir.is_dir():
         for path in output_dir.iterdir():
-            if path.name.startswith(TMP_PREFIX):
+            if path.name.startswith(TMP_PREFIX) and path.is_file():
                 logger.info("removing %s, left by an interrupted save", path)
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                path.unlink()
 
 
 def capture_rng() -> dict[str, Any]:
@@ -147,7 +131,7 @@ def save_checkpoint(
 ) -> Path:
     """Write output_dir/checkpoint-{global_step} atomically and return it."""
     final = output_dir / f"checkpoint-{state.global_step}"
-    with atomic_dir(final) as tmp:
+    with atomic_folder(final) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -327,12 +311,12 @@ def keep_pissa_init(
         initial = resume_from.parent / pissa.PISSA_INIT
         pissa.check_rebuilt_from(model, name, initial, resume_from)
         if write and initial.resolve() != target.resolve():
-            with atomic_dir(target) as tmp:
+            with atomic_folder(target) as tmp:
                 shutil.copytree(initial, tmp, dirs_exist_ok=True)
         return target
     if write:
         output_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(target) as tmp:
+        with atomic_folder(target) as tmp:
             pissa.save_initial_adapter(model, name, tmp)
         logger.info("saved the initial PiSSA adapter to %s (for the final conversion and resume)", target)
     return target
@@ -351,8 +335,7 @@ def save_final_model(
     With pissa_init (the run's initial PiSSA adapter) the adapter is saved converted for the original base
     model, or, with pissa_convert false, as trained (for the residual base). state_dict: the weights to save
     instead of the model's own (fsdp gathers them from the ranks' shards)."""
-    tmp = output_dir / f"{TMP_PREFIX}final-model"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = partial_folder(output_dir / "final-model")  # a scratch folder; its files move into output_dir
     if pissa_init is not None:
         pissa.save_adapter(model, tmp, pissa_init, convert=pissa_convert)
     else:
