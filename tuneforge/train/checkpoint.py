@@ -242,32 +242,36 @@ def _in_memory_names(
 ) -> dict[str, torch.Tensor]:
     """The saved weights under the model's own parameter names.
 
-    transformers' save_pretrained reverts its weight conversions (revert_weight_conversion): a model whose
-    checkpoints use other names or layouts than its modules (Mixtral's fused experts.gate_up_proj is saved as
-    per-expert w1 / w3) is written in the checkpoint layout. Reading it back goes through the conversion
-    from_pretrained applies (get_model_conversion_mapping + convert_and_load_state_dict_in_model), into a copy
-    of the model on the meta device; load_state_dict then copies the values into the real parameters in place,
-    which keeps the optimizer's references, requires_grad and tied weights.
+    transformers' save_pretrained reverts its weight conversions: a model whose checkpoints use other names or
+    layouts than its modules (Mixtral's fused experts.gate_up_proj is saved as per-expert w1 / w3) is written in
+    the checkpoint layout. A checkpoint whose names are the model's own loads as it is. One in another layout is
+    read back through the public from_pretrained (with the weights given as state_dict, so it applies the same
+    conversions as any load) into a second copy of the model; load_state_dict then copies the values into the
+    real parameters in place, which keeps the optimizer's references, requires_grad and tied weights. The copy
+    costs the weights' memory once more, for such models only.
     """
     from transformers import PreTrainedModel
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.modeling_utils import LoadStateDictConfig
 
-    if not isinstance(model, PreTrainedModel):
+    own = model.state_dict()
+    if not isinstance(model, PreTrainedModel) or set(saved) <= set(own):
         return saved
-    with torch.device("meta"):
-        shadow = type(model)(copy.deepcopy(model.config))
-    # the shadow's dtypes are the model's, so each converted tensor is materialized once, in its final dtype
-    meta_state = {k: v.to("meta") for k, v in model.state_dict().items()}
-    shadow.load_state_dict(meta_state, strict=False, assign=True)
-    config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(shadow))
-    info, _ = convert_and_load_state_dict_in_model(shadow, saved, config)
-    unexpected = sorted(info.unexpected_keys) + sorted(info.conversion_errors)  # saved, with no place here
-    shapes = sorted(key for key, *_ in info.mismatched_keys)
+    dtype = next(model.parameters()).dtype
+    quiet = logging.getLogger("transformers.modeling_utils")  # its load report: mismatches are reported below
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        converted, info = type(model).from_pretrained(
+            None, config=copy.deepcopy(model.config), state_dict=saved, dtype=dtype, output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
+    finally:
+        quiet.setLevel(level)
+    unexpected = sorted(info["unexpected_keys"])  # saved, with no place here
+    shapes = sorted(key for key, *_ in info["mismatched_keys"])
     if unexpected or shapes:
         raise _mismatch(folder, [], unexpected, shapes)
-    return {k: v for k, v in shadow.state_dict().items() if v.device.type != "meta"}
+    missing = set(info["missing_keys"])  # left for _check_keys to report
+    return {k: v for k, v in converted.state_dict().items() if k in own and k not in missing}
 
 
 def load_checkpoint(
