@@ -78,39 +78,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from tuneforge.config import load
-    from tuneforge.errors import ConfigError
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
-    if args.ask and cfg.method.stage == "rm":
-        raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
-    if args.ask and cfg.train.fsdp:
-        raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
-    if args.ask and cfg.train.deepspeed:
-        from tuneforge.config.deepspeed import deepspeed_settings
+    from tuneforge.workflow import train
 
-        if deepspeed_settings(cfg).partitions_weights:
-            raise ConfigError("--ask does not run on ZeRO-3's partitioned weights; ask with `tuneforge chat` after "
-                              "training")
-    if not cfg.train.do_train:
-        if not (cfg.train.do_predict or cfg.train.do_eval):
-            raise ConfigError(f"{cfg.source}: do_train is false and neither do_eval nor do_predict is set: "
-                              f"nothing to do")
-        cmd_eval(args)  # LlamaFactory's way to evaluate or predict: `train` with do_train: false
+    r = train(cfg, ask=args.ask, argv=args.argv)
+    if r is None:  # relaunched under torchrun (rank 0 reported), or another rank
         return 0
-    from tuneforge.config.processes import ray_requested
-    from tuneforge.train.launch import launch_plan, relaunch
-    from tuneforge.train.ray_launch import run_on_ray
-    from tuneforge.workflow import run
-
-    if ray_requested(cfg):  # use_ray / USE_RAY=1: the same run in Ray Train workers; rank 0's results come back
-        r = run_on_ray(cfg, run, ask=args.ask)
-    else:
-        plan = launch_plan()  # several devices or FORCE_TORCHRUN=1: the same command on many processes
-        if plan is not None:
-            return relaunch(plan, args.argv)
-        r = run(cfg, ask=args.ask)
-        if os.environ.get("RANK", "0") != "0":
-            return 0  # rank 0 reports for all
+    if not cfg.train.do_train:  # evaluated or predicted, LlamaFactory's way
+        for line in r.get("summary", []):
+            print(line)
+        return 0
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
     if cfg.method.stage == "rm":
         what += " and value head"

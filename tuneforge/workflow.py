@@ -11,16 +11,20 @@ log-probs can be precomputed once (precompute_ref_log_probs) so that no referenc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
+import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tuneforge.config import RunConfig
 from tuneforge.config.validate import uses_reference
+from tuneforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -62,21 +66,93 @@ def prepare_data(cfg: RunConfig, tokenizer=None):
     return tokenizer, splits
 
 
+def train(cfg: RunConfig, ask: str | None = None, argv: list[str] | None = None) -> dict[str, Any] | None:
+    """One `tuneforge train` (the CLI and any other front end call this): the rules a run needs beyond the
+    config's own, then the run where it belongs — in Ray Train workers (use_ray / USE_RAY=1), in processes
+    relaunched under torchrun (several GPUs, FORCE_TORCHRUN=1), or in this process.
+
+    Returns the results of rank 0 (see `run`); None in a process that only relaunched the run under torchrun
+    (its rank 0 reports) and on the other ranks. With do_train false it evaluates or predicts instead
+    (LlamaFactory's way), returning eval's results. argv: the command line to relaunch under torchrun
+    (default: this config, written to a temporary file)."""
+    check_request(cfg, ask)
+    if not cfg.train.do_train:
+        from tuneforge.eval import evaluate
+        from tuneforge.model.inference import use_trained_output
+
+        return evaluate(use_trained_output(cfg))
+    from tuneforge.config.processes import ray_requested
+    from tuneforge.train.launch import launch_plan, relaunch
+    from tuneforge.train.ray_launch import run_on_ray
+
+    if ray_requested(cfg):  # the same run in Ray Train workers; rank 0's results come back
+        return run_on_ray(cfg, run, ask=ask)
+    plan = launch_plan()
+    if plan is not None:
+        if argv is not None:
+            relaunch(plan, argv)
+        else:
+            with _config_file(cfg) as path:
+                relaunch(plan, ["train", str(path), *(["--ask", ask] if ask else [])])
+        return None
+    results = run(cfg, ask=ask)
+    return results if os.environ.get("RANK", "0") == "0" else None
+
+
+def check_request(cfg: RunConfig, ask: str | None) -> None:
+    """What a run asks beyond its config, checked before anything starts."""
+    if ask and cfg.method.stage == "rm":
+        raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
+    if ask and cfg.train.fsdp:
+        raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
+    if ask and cfg.train.deepspeed:
+        from tuneforge.config.deepspeed import deepspeed_settings
+
+        if deepspeed_settings(cfg).partitions_weights:
+            raise ConfigError("--ask does not run on ZeRO-3's partitioned weights; ask with `tuneforge chat` after "
+                              "training")
+    if not (cfg.train.do_train or cfg.train.do_predict or cfg.train.do_eval):
+        raise ConfigError(f"{cfg.source}: do_train is false and neither do_eval nor do_predict is set: nothing to do",
+                          key=("do_train", "do_eval", "do_predict"))
+
+
+@contextlib.contextmanager
+def _config_file(cfg: RunConfig) -> Iterator[Path]:
+    """cfg as a YAML file (the keys that differ from their defaults), for the processes torchrun starts."""
+    import tempfile
+
+    import yaml
+
+    from tuneforge.config.loader import defaults
+
+    default = defaults()
+    keys = {k: v for k, v in cfg.to_dict().items() if v != default.get(k)}
+    with tempfile.TemporaryDirectory(prefix="tuneforge-launch-") as folder:
+        path = Path(folder) / "config.yaml"
+        path.write_text(yaml.safe_dump(keys, sort_keys=False), encoding="utf-8")
+        yield path
+
+
 def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
-    """Train cfg.method.stage end to end; returns the results plus where the outputs are.
+    """Train cfg.method.stage end to end in this process; returns the results plus where the outputs are.
 
     ask: a question put to the model (greedy, in the chat template) before and after training; the two
     answers come back under "answers", so the user sees what training changed.
-    Started by torchrun (tuneforge/train/launch.py), each process joins the process group first and leaves
-    it after training; a process that fails just exits, and torchrun ends the others and names it."""
+    Started by torchrun (tuneforge/train/launch.py) or Ray, each process joins the process group first and
+    leaves it after training (a failed process leaves it too, without waiting for the others; torchrun ends
+    them and names it)."""
     from tuneforge.train import dist
 
     # DeepSpeed's engine runs on a process group, also in a single process
     joined = dist.setup(cfg.train.ddp_timeout, cfg.train.data_wait_timeout, alone=bool(cfg.train.deepspeed))
-    results = _run(cfg, ask)
-    if joined:
-        dist.teardown()
-    return results
+    finished = False
+    try:
+        results = _run(cfg, ask)
+        finished = True
+        return results
+    finally:
+        if joined:
+            dist.teardown(wait_for_others=finished)
 
 
 def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:

@@ -66,12 +66,14 @@ def setup(timeout_s: int, data_timeout_s: int, alone: bool = False) -> bool:
     return True
 
 
-def teardown() -> None:
-    """Leave the process group (after every rank got here, so none tears down under another's collective)."""
+def teardown(wait_for_others: bool = True) -> None:
+    """Leave the process group, after every rank got here (so none tears down under another's collective);
+    wait_for_others false: at once (this process failed, and the others will never reach the barrier)."""
     if not dist.is_initialized():
         return
     group = _state.get("data_group")
-    dist.barrier(group=group)
+    if wait_for_others:
+        dist.barrier(group=group)
     launcher_group = _state.get("launcher_group", False)
     releases = _state.get("releases", [])
     for key in _state.get("set_env", []):
