@@ -78,5 +78,6 @@ def lf_data_dir():
 
     path = Path(__file__).resolve().parents[2] / "shared" / "data" / "llamafactory"
     if not path.is_dir():
-        pytest.skip(f"{path} not present")
+        pytest.skip(f"LlamaFactory's demo data is not at {path}: this test proves tuneforge reads LlamaFactory's own "
+                    f"files, which live beside the project (../shared/data/llamafactory), not in it")
     return path
