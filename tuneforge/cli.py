@@ -81,8 +81,11 @@ def cmd_train(args) -> int:
     from tuneforge.errors import ConfigError
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
-    if args.ask and cfg.method.stage == "rm":
-        raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
+    from tuneforge.stages import stage_of
+
+    if args.ask and not stage_of(cfg.method.stage).writes_text:
+        raise ConfigError(f"--ask needs a model that writes answers; stage {cfg.method.stage} trains a model that "
+                          f"does not ({stage_of(cfg.method.stage).summary})")
     if args.ask and cfg.train.fsdp:
         raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
     if args.ask and cfg.train.deepspeed:
@@ -112,7 +115,7 @@ def cmd_train(args) -> int:
         if os.environ.get("RANK", "0") != "0":
             return 0  # rank 0 reports for all
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
-    if cfg.method.stage == "rm":
+    if stage_of(cfg.method.stage).value_head:
         what += " and value head"
     print(f"\n{what} saved in {r['output_dir']}")
     if "first_loss" in r:

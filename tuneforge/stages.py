@@ -205,7 +205,7 @@ for _stage in (
     Stage("pt", "pretrain", ("plain",), "plain", "lm", "next-token cross-entropy on documents",
           packs_by_default=True, perplexity=True),
     Stage("sft", "supervised", ("plain",), "plain", "lm", "cross-entropy on the assistant turns", perplexity=True),
-    Stage("rm", "pairwise", ("pairwise",), "pairwise", "reward", "value head, -log sigma(r_chosen - r_rejected)",
+    Stage("rm", "pairwise", ("pairwise",), "pairwise", "reward", "a reward model (a scorer): value head, -log sigma(r_chosen - r_rejected)",
           can_pack=False, value_head=True, writes_text=False),
     Stage("ppo", None, ("plain",), "plain", None, "generate, score, GAE; clipped policy + value", can_pack=False,
           planned=True),

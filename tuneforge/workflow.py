@@ -1,12 +1,13 @@
 """One dispatch from stage to run: tokenizer -> data -> model -> the one Trainer -> outputs.
 
-A Stage is a row in STAGES, not a subclass: its encoder (chosen by the data package from
-cfg.method.stage) and its objective (built by objectives.build_objective from the config). Adding a
-stage = one encoder, one objective, one row.
+A stage is a row of tuneforge/stages.py, not a subclass, and this module asks it everything: the data
+package builds with the encoder the row names, the row says whether the model gets a value head and whether
+a reference is built, the objective comes from the registry by the row's name, and the batch layout (row
+kind from the row; flat from the model; packed from the data build) is decided here once. Adding a stage =
+an encoder (or an existing one), an objective, one row.
 
-Preference stages add two things around the same loop: rm wraps the model with a value head; dpo and
-kto get a reference (the policy with its adapters disabled for lora / oft, else a frozen model), whose
-log-probs can be precomputed once (precompute_ref_log_probs) so that no reference stays in memory.
+A reference (the policy with its adapters disabled for lora / oft, else a frozen model) can have its
+log-probs precomputed once (precompute_ref_log_probs), so that no reference stays in memory.
 """
 
 from __future__ import annotations
@@ -15,29 +16,17 @@ import gc
 import json
 import logging
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tuneforge.config import RunConfig
 from tuneforge.config.validate import uses_reference
+from tuneforge.stages import STAGES, stage_of
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Stage:
-    encoder: str  # the name of the data/encode.py encoder, for the docs and the log
-    objective: str  # the objective objectives.build_objective makes for it
-
-
-STAGES: dict[str, Stage] = {
-    "pt": Stage(encoder="pretrain", objective="lm"),
-    "sft": Stage(encoder="supervised", objective="lm"),
-    "rm": Stage(encoder="pairwise", objective="reward"),
-    "dpo": Stage(encoder="pairwise", objective="preference (pref_loss)"),
-    "kto": Stage(encoder="feedback", objective="kto"),
-}
+__all__ = ["STAGES", "ask_model", "prepare_data", "run"]
 
 
 def seed_everything(seed: int) -> None:
@@ -87,11 +76,12 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
 
-    stage = STAGES[cfg.method.stage]
+    stage = stage_of(cfg.method.stage)
     seed_everything(cfg.train.seed)
+    objective_name = f"{stage.objective} ({cfg.method.pref_loss})" if stage.pref_loss else stage.objective
     logger.info(
         "stage %s: encoder %s, objective %s, finetuning %s",
-        cfg.method.stage, stage.encoder, stage.objective, cfg.method.finetuning_type,
+        stage.name, stage.encoder, objective_name, cfg.method.finetuning_type,
     )
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
@@ -101,7 +91,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
         logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
                     type(model).__name__)
     before = ask_model(cfg, model, tokenizer, ask) if ask else None
-    if cfg.method.stage == "rm":
+    if stage.value_head:
         model = ValueHeadModel(model)
     collator = Collator(tokenizer.pad_token_id, padding_free=padding_free, share_prompts=shares_prompts(model))
     train_rows, eval_rows, reference = splits.train, splits.eval, None
@@ -169,8 +159,7 @@ def precompute_reference(cfg: RunConfig, splits, model, collator):
             device=device, autocast=lambda: autocast_context(cfg.train, device),
         )
 
-    kind = "feedback" if cfg.method.stage == "kto" else "pairwise"
-    columns = tuple(REF_LOGP_COLUMNS[prefix] for prefix in SEQUENCE_PREFIXES[kind])
+    columns = tuple(REF_LOGP_COLUMNS[prefix] for prefix in SEQUENCE_PREFIXES[stage_of(cfg.method.stage).rows])
     cache_dir = Path(splits.stats["cache_dir"])
     with node_leader_first():  # many processes: one per node computes, the others read its cache
         with_ref = precompute.with_reference_logps(

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from tuneforge.errors import ConfigError, DataError
+from tuneforge.stages import stage_of, stages_where, words
 
 logger = logging.getLogger(__name__)
 
-LOSS_STAGES = ("pt", "sft")
 RESULTS_FILE = "eval_results.json"
 
 
@@ -51,11 +51,11 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
     from tuneforge.workflow import prepare_data
 
     d = cfg.data
-    if cfg.method.stage not in LOSS_STAGES:
+    if not stage_of(cfg.method.stage).perplexity:
         raise ConfigError(
-            f"{cfg.source}: tuneforge eval measures the language-model loss of stages pt and sft; stage "
-            f"{cfg.method.stage} has another objective (evaluate it with eval_strategy while training), "
-            f"or set stage: sft to measure the loss of the answers"
+            f"{cfg.source}: tuneforge eval measures the language-model loss of stages "
+            f"{words(stages_where(lambda s: s.perplexity))}; stage {cfg.method.stage} has another objective "
+            f"(evaluate it with eval_strategy while training), or set stage: sft to measure the loss of the answers"
         )
     if not (d.dataset or d.eval_dataset or d.tokenized_path):
         raise ConfigError(f"{cfg.source}: set eval_dataset (or dataset) to the data to measure the loss on, "

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tuneforge.errors import ConfigError
+from tuneforge.stages import preference_problem
 from tuneforge.train.objectives import ObjectiveOutput
 from tuneforge.train.objectives.logps import num_sequences, sequence_logps
 from tuneforge.train.objectives.losses import kto_kl_estimate, kto_loss
@@ -56,13 +57,11 @@ class KTOObjective:
         head: str = "auto",
         chunk_tokens: int | None = None,
     ) -> None:
-        if pref_beta <= 0:
-            raise ConfigError(f"pref_beta must be > 0 (got {pref_beta})")
-        if kto_chosen_weight < 0 or kto_rejected_weight < 0:
-            raise ConfigError(
-                f"kto_chosen_weight and kto_rejected_weight must be >= 0 "
-                f"(got {kto_chosen_weight}, {kto_rejected_weight})"
-            )
+        # config validation has checked these (stages.preference_problem); this catches a direct call
+        problem = preference_problem(pref_beta=pref_beta, kto_chosen_weight=kto_chosen_weight,
+                                     kto_rejected_weight=kto_rejected_weight)
+        if problem:
+            raise ConfigError(problem)
         self.pref_beta = pref_beta
         self.kto_chosen_weight, self.kto_rejected_weight = kto_chosen_weight, kto_rejected_weight
         self.reference = reference
