@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tuneforge.batch import PAIRED_ROWS, Layout
 from tuneforge.config import RunConfig
 from tuneforge.config.validate import uses_reference
 from tuneforge.stages import STAGES, stage_of
@@ -71,7 +72,6 @@ def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
 def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
-    from tuneforge.model.attention import supports_padding_free
     from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
@@ -86,14 +86,11 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
-    padding_free = cfg.data.padding_free and supports_padding_free(model)
-    if cfg.data.padding_free and not padding_free:
-        logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
-                    type(model).__name__)
+    layout = batch_layout(cfg, splits, model)
     before = ask_model(cfg, model, tokenizer, ask) if ask else None
     if stage.value_head:
         model = ValueHeadModel(model)
-    collator = Collator(tokenizer.pad_token_id, padding_free=padding_free, share_prompts=shares_prompts(model))
+    collator = Collator(tokenizer.pad_token_id, layout)
     train_rows, eval_rows, reference = splits.train, splits.eval, None
     if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
         # the objective reads the reference columns; a reference model, if one was loaded, is freed here
@@ -117,14 +114,21 @@ def ask_model(cfg: RunConfig, model, tokenizer, question: str) -> str:
     return reply
 
 
-def shares_prompts(model) -> bool:
-    """Whether a preference pair's two sequences can share one forward of their prompt: the model runs
-    tuneforge's padding-free sdpa, which reads `shared_prefix`, and has no sliding-window layers."""
-    from tuneforge.model.attention import PACKED_SDPA
+def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
+    """The layout of every batch of this run, decided once: the row kind from the stage's row, packed from
+    the data build, flat (padding-free) and a shared prompt from what the loaded model runs (the model
+    loader's attention module answers; without a model, batches are padded)."""
+    from tuneforge.model.attention import batch_layouts
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    return config._attn_implementation == PACKED_SDPA and not sliding
+    rows = stage_of(cfg.method.stage).rows
+    packed = bool(splits.stats.get("packing", False))
+    flat = shared = False
+    if model is not None and cfg.data.padding_free:
+        flat, shared = batch_layouts(model)
+        if not flat:
+            logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
+                        type(model).__name__)
+    return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in PAIRED_ROWS)
 
 
 def build_reference(cfg: RunConfig):

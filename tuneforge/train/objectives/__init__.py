@@ -6,22 +6,23 @@ normalizes by: a supervised token for pt / sft, a chosen/rejected pair for rm / 
 up (over all micro-batches and all ranks) and back-propagates `loss_sum / total_units`, so gradient
 accumulation and data parallelism give the loss of the whole batch.
 
-Later stages plug in as objects with the same two methods (a DPO objective holds its reference model,
-a reward objective reads the value head); the loop does not change.
+Objectives take a tuneforge.batch.Batch and pass its model_inputs to the model as they are. A stage's row
+(tuneforge/stages.py) names its objective in the registry below (register_objective); the loop does not
+change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from tuneforge.batch import Batch  # the batch contract every objective takes
+
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
-
-Batch = Mapping[str, torch.Tensor]
 
 
 @dataclass

@@ -17,12 +17,12 @@ is emitted for every batch, zero when it has no sample of a kind, since ranks al
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
 from tuneforge.stages import preference_problem
 from tuneforge.train.objectives import ObjectiveOutput
@@ -76,7 +76,7 @@ class KTOObjective:
             reference=reference,
         )
 
-    def count(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def count(self, batch: Batch) -> int:
         return num_sequences(batch) // 2
 
     def kl_estimate(self, kl_log_ratios: torch.Tensor, training: bool) -> torch.Tensor:
@@ -86,11 +86,11 @@ class KTOObjective:
             totals = summed_over_ranks(totals)
         return kto_kl_estimate(totals[0], float(totals[1]))
 
-    def __call__(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> ObjectiveOutput:
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
         policy = sequence_logps(model, batch, head=self.head, chunk_tokens=self.chunk_tokens).logps
         ref = batch_reference_logps(self.reference, model, batch, "stage kto")
         samples = num_sequences(batch) // 2
-        desirable = batch["kto_tags"].to(policy.device).bool()
+        desirable = batch.targets["kto_tags"].to(policy.device).bool()
         z = self.kl_estimate(policy[samples:] - ref[samples:], model.training)
         losses, rewards = kto_loss(
             policy[:samples], ref[:samples], z, desirable,

@@ -15,11 +15,11 @@ log-probs the loss reads: summed for sigmoid / hinge, per-token averages for ipo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
 from tuneforge.stages import PREF_LOSSES, preference_problem
 from tuneforge.train.objectives import ObjectiveOutput
@@ -101,10 +101,10 @@ class PreferenceObjective:
     def needs_reference(self) -> bool:
         return self.loss.needs_reference
 
-    def count(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def count(self, batch: Batch) -> int:
         return num_sequences(batch) // 2
 
-    def __call__(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> ObjectiveOutput:
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
         policy = sequence_logps(model, batch, head=self.head, chunk_tokens=self.chunk_tokens)
         pairs = num_sequences(batch) // 2
         averages = policy.average()
