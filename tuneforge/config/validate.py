@@ -11,7 +11,15 @@ from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.schema import RunConfig
 from tuneforge.errors import ConfigError
-from tuneforge.stages import REFERENCE_NEVER, built_stages, preference_problem, stage_of, stages_where, words
+from tuneforge.stages import (
+    REFERENCE_NEVER,
+    STAGES,
+    built_stages,
+    preference_problem,
+    stage_of,
+    stages_where,
+    words,
+)
 from tuneforge.stages import uses_reference as stage_uses_reference
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -40,6 +48,8 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
 
     if not m.model_name_or_path:
         fail("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)")
+    if me.stage not in STAGES:  # a RunConfig built in code skips the loader's choices check
+        fail(f"stage '{me.stage}' is not a stage; available: {', '.join(built_stages())}")
     if stage_of(me.stage).planned:
         fail(f"stage '{me.stage}' is not implemented yet; available: {', '.join(built_stages())}")
 
