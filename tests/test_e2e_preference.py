@@ -62,11 +62,13 @@ def test_reward_model_saves_a_value_head_that_scores_again(tmp_path, smol_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tuneforge.batch import Batch, Layout
     from tuneforge.model.value_head import attach_value_head
 
     model = attach_value_head(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smol_dir), out), out)
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    scores = model.score({"input_ids": ids, "attention_mask": torch.ones_like(ids), "sequence_ends": torch.tensor([3, 7])})
+    scores = model.score(Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                               {"sequence_ends": torch.tensor([3, 7])}, Layout(rows="pairwise")))
     assert scores.shape == (2,) and torch.isfinite(scores).all() and scores[0] != scores[1]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 ROW_KINDS = ("plain", "pairwise", "feedback")
+PAIRED_ROWS = ("pairwise", "feedback")  # row kinds that hold two sequences on one prompt
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Layout:
             raise ValueError(f"Layout.rows must be one of {ROW_KINDS}, not {self.rows!r}")
         if self.shared_prefix and not self.flat:
             raise ValueError("a shared-prefix layout is padding-free (flat)")
+        if self.shared_prefix and self.rows not in PAIRED_ROWS:
+            raise ValueError(f"a shared-prefix layout shares a prompt between the two sequences of {PAIRED_ROWS} rows")
 
     @property
     def samples_share_rows(self) -> bool:

@@ -80,6 +80,7 @@ def cmd_train(args) -> int:
     from tuneforge.config import load
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
+    from tuneforge.stages import stage_of
     from tuneforge.workflow import train
 
     r = train(cfg, ask=args.ask, argv=args.argv)
@@ -90,7 +91,7 @@ def cmd_train(args) -> int:
             print(line)
         return 0
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
-    if cfg.method.stage == "rm":
+    if stage_of(cfg.method.stage).value_head:
         what += " and value head"
     print(f"\n{what} saved in {r['output_dir']}")
     if "first_loss" in r:

@@ -1,12 +1,13 @@
 """One dispatch from stage to run: tokenizer -> data -> model -> the one Trainer -> outputs.
 
-A Stage is a row in STAGES, not a subclass: its encoder (chosen by the data package from
-cfg.method.stage) and its objective (built by objectives.build_objective from the config). Adding a
-stage = one encoder, one objective, one row.
+A stage is a row of tuneforge/stages.py, not a subclass, and this module asks it everything: the data
+package builds with the encoder the row names, the row says whether the model gets a value head and whether
+a reference is built, the objective comes from the registry by the row's name, and the batch layout (row
+kind from the row; flat from the model; packed from the data build) is decided here once. Adding a stage =
+an encoder (or an existing one), an objective, one row.
 
-Preference stages add two things around the same loop: rm wraps the model with a value head; dpo and
-kto get a reference (the policy with its adapters disabled for lora / oft, else a frozen model), whose
-log-probs can be precomputed once (precompute_ref_log_probs) so that no reference stays in memory.
+A reference (the policy with its adapters disabled for lora / oft, else a frozen model) can have its
+log-probs precomputed once (precompute_ref_log_probs), so that no reference stays in memory.
 """
 
 from __future__ import annotations
@@ -18,30 +19,19 @@ import logging
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tuneforge.batch import PAIRED_ROWS, Layout
 from tuneforge.config import RunConfig
 from tuneforge.config.validate import uses_reference
 from tuneforge.errors import ConfigError
+from tuneforge.stages import STAGES, stage_of
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Stage:
-    encoder: str  # the name of the data/encode.py encoder, for the docs and the log
-    objective: str  # the objective objectives.build_objective makes for it
-
-
-STAGES: dict[str, Stage] = {
-    "pt": Stage(encoder="pretrain", objective="lm"),
-    "sft": Stage(encoder="supervised", objective="lm"),
-    "rm": Stage(encoder="pairwise", objective="reward"),
-    "dpo": Stage(encoder="pairwise", objective="preference (pref_loss)"),
-    "kto": Stage(encoder="feedback", objective="kto"),
-}
+__all__ = ["STAGES", "ask_model", "prepare_data", "run"]
 
 
 def seed_everything(seed: int) -> None:
@@ -101,8 +91,10 @@ def train(cfg: RunConfig, ask: str | None = None, argv: list[str] | None = None)
 
 def check_request(cfg: RunConfig, ask: str | None) -> None:
     """What a run asks beyond its config, checked before anything starts."""
-    if ask and cfg.method.stage == "rm":
-        raise ConfigError("--ask needs a model that writes answers; stage rm trains a reward model (a scorer)")
+    stage = stage_of(cfg.method.stage)
+    if ask and not stage.writes_text:
+        raise ConfigError(f"--ask needs a model that writes answers; stage {stage.name} trains a model that does not "
+                          f"({stage.summary})")
     if ask and cfg.train.fsdp:
         raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
     if ask and cfg.train.deepspeed:
@@ -158,28 +150,25 @@ def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
 def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
-    from tuneforge.model.attention import supports_padding_free
     from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
 
-    stage = STAGES[cfg.method.stage]
+    stage = stage_of(cfg.method.stage)
     seed_everything(cfg.train.seed)
+    objective_name = f"{stage.objective} ({cfg.method.pref_loss})" if stage.pref_loss else stage.objective
     logger.info(
         "stage %s: encoder %s, objective %s, finetuning %s",
-        cfg.method.stage, stage.encoder, stage.objective, cfg.method.finetuning_type,
+        stage.name, stage.encoder, objective_name, cfg.method.finetuning_type,
     )
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
-    padding_free = cfg.data.padding_free and supports_padding_free(model)
-    if cfg.data.padding_free and not padding_free:
-        logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
-                    type(model).__name__)
+    layout = batch_layout(cfg, splits, model)
     before = ask_model(cfg, model, tokenizer, ask) if ask else None
-    if cfg.method.stage == "rm":
+    if stage.value_head:
         model = ValueHeadModel(model)
-    collator = Collator(tokenizer.pad_token_id, padding_free=padding_free, share_prompts=shares_prompts(model))
+    collator = Collator(tokenizer.pad_token_id, layout)
     train_rows, eval_rows, reference = splits.train, splits.eval, None
     if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
         # the objective reads the reference columns; a reference model, if one was loaded, is freed here
@@ -203,14 +192,21 @@ def ask_model(cfg: RunConfig, model, tokenizer, question: str) -> str:
     return reply
 
 
-def shares_prompts(model) -> bool:
-    """Whether a preference pair's two sequences can share one forward of their prompt: the model runs
-    tuneforge's padding-free sdpa, which reads `shared_prefix`, and has no sliding-window layers."""
-    from tuneforge.model.attention import PACKED_SDPA
+def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
+    """The layout of every batch of this run, decided once: the row kind from the stage's row, packed from
+    the data build, flat (padding-free) and a shared prompt from what the loaded model runs (the model
+    loader's attention module answers; without a model, batches are padded)."""
+    from tuneforge.model.attention import batch_layouts
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    return config._attn_implementation == PACKED_SDPA and not sliding
+    rows = stage_of(cfg.method.stage).rows
+    packed = bool(splits.stats.get("packing", False))
+    flat = shared = False
+    if model is not None and cfg.data.padding_free:
+        flat, shared = batch_layouts(model)
+        if not flat:
+            logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
+                        type(model).__name__)
+    return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in PAIRED_ROWS)
 
 
 def build_reference(cfg: RunConfig):
@@ -245,8 +241,7 @@ def precompute_reference(cfg: RunConfig, splits, model, collator):
             device=device, autocast=lambda: autocast_context(cfg.train, device),
         )
 
-    kind = "feedback" if cfg.method.stage == "kto" else "pairwise"
-    columns = tuple(REF_LOGP_COLUMNS[prefix] for prefix in SEQUENCE_PREFIXES[kind])
+    columns = tuple(REF_LOGP_COLUMNS[prefix] for prefix in SEQUENCE_PREFIXES[stage_of(cfg.method.stage).rows])
     cache_dir = Path(splits.stats["cache_dir"])
     with node_leader_first():  # many processes: one per node computes, the others read its cache
         with_ref = precompute.with_reference_logps(

@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tuneforge.batch import Layout
 from tuneforge.data.collate import Collator
 
 X = -100
+PAIRED, PAIRED_FLAT = Layout(rows="pairwise"), Layout(rows="pairwise", flat=True)
+FED, FED_FLAT = Layout(rows="feedback"), Layout(rows="feedback", flat=True)
+
+
+def columns(batch):
+    """A collated Batch's model inputs and targets in one mapping, to read them by name."""
+    return {**batch.model_inputs, **batch.targets}
 PAIRS = [
     {
         "chosen_input_ids": [1, 2, 3],
@@ -53,7 +61,7 @@ FEEDBACK = [
 
 
 def test_pairwise_rows_pad_as_chosen_then_rejected_sequences():
-    batch = Collator(pad_token_id=0)(PAIRS)
+    batch = columns(Collator(pad_token_id=0, layout=PAIRED)(PAIRS))
     assert set(batch) == {"input_ids", "attention_mask", "labels", "sequence_ids", "sequence_ends"}
     # order: chosen_0, chosen_1, rejected_0, rejected_1
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [6, 7, 0, 0], [1, 2, 4, 5], [6, 8, 9, 0]]
@@ -66,7 +74,7 @@ def test_pairwise_rows_pad_as_chosen_then_rejected_sequences():
 
 
 def test_pairwise_rows_padding_free():
-    batch = Collator(pad_token_id=0, padding_free=True)(PAIRS)
+    batch = columns(Collator(pad_token_id=0, layout=PAIRED_FLAT)(PAIRS))
     assert "attention_mask" not in batch
     assert batch["input_ids"].tolist() == [[1, 2, 3, 6, 7, 1, 2, 4, 5, 6, 8, 9]]
     assert batch["labels"].tolist() == [[X, 2, 3, X, 7, X, X, 4, 5, X, 8, 9]]
@@ -78,7 +86,7 @@ def test_pairwise_rows_padding_free():
 
 
 def test_feedback_rows_carry_tags_and_reference_log_probs():
-    batch = Collator(pad_token_id=0, pad_to_multiple_of=4)(FEEDBACK)
+    batch = columns(Collator(pad_token_id=0, layout=FED, pad_to_multiple_of=4)(FEEDBACK))
     # order: completion_0, completion_1, kl_0, kl_1
     assert batch["input_ids"].tolist() == [[1, 2, 0, 0], [5, 6, 7, 0], [1, 3, 4, 0], [5, 8, 0, 0]]
     assert batch["labels"].tolist() == [[X, 2, X, X], [X, 6, 7, X], [X, 3, 4, X], [X, 8, X, X]]
@@ -87,7 +95,7 @@ def test_feedback_rows_carry_tags_and_reference_log_probs():
     assert batch["kto_tags"].tolist() == [1, 0] and batch["kto_tags"].dtype == torch.long
     assert batch["ref_logps"].dtype == torch.float32
     assert batch["ref_logps"].tolist() == [-1.5, -0.5, -2.5, -3.0]
-    flat = Collator(pad_token_id=0, padding_free=True)(FEEDBACK)
+    flat = columns(Collator(pad_token_id=0, layout=FED_FLAT)(FEEDBACK))
     assert flat["input_ids"].tolist() == [[1, 2, 5, 6, 7, 1, 3, 4, 5, 8]]
     assert flat["sequence_ends"].tolist() == [1, 4, 7, 9]
     assert flat["kto_tags"].tolist() == [1, 0] and flat["ref_logps"].tolist() == [-1.5, -0.5, -2.5, -3.0]
@@ -98,14 +106,14 @@ def test_pairwise_reference_log_probs_follow_the_sequence_order():
         {**PAIRS[0], "ref_chosen_logps": -1.0, "ref_rejected_logps": -4.0},
         {**PAIRS[1], "ref_chosen_logps": -2.0, "ref_rejected_logps": -8.0},
     ]
-    assert Collator(pad_token_id=0)(rows)["ref_logps"].tolist() == [-1.0, -2.0, -4.0, -8.0]
-    assert "ref_logps" not in Collator(pad_token_id=0)(PAIRS)
+    assert Collator(pad_token_id=0, layout=PAIRED)(rows).targets["ref_logps"].tolist() == [-1.0, -2.0, -4.0, -8.0]
+    assert "ref_logps" not in columns(Collator(pad_token_id=0, layout=PAIRED)(PAIRS))
     with pytest.raises(ValueError, match="some rows of the batch carry reference log-probs"):
-        Collator(pad_token_id=0)([rows[0], PAIRS[1]])
+        Collator(pad_token_id=0, layout=PAIRED)([rows[0], PAIRS[1]])
 
 
 def test_a_batch_cannot_mix_row_layouts():
     with pytest.raises(ValueError, match="mixes row layouts"):
-        Collator(pad_token_id=0)([PAIRS[0], FEEDBACK[0]])
+        Collator(pad_token_id=0, layout=PAIRED)([PAIRS[0], FEEDBACK[0]])
     with pytest.raises(ValueError, match="mixes row layouts"):
         Collator(pad_token_id=0)([{"input_ids": [1], "labels": [1]}, PAIRS[0]])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tuneforge.batch import Layout
 from tuneforge.data import build
 from tuneforge.data.collate import Collator
 from tuneforge.data.encode import IGNORE_INDEX
@@ -57,14 +58,14 @@ CHATS = [
 ]
 
 
-def per_sample_losses(model, rows, pad_id):
+def per_sample_losses(model, rows, pad_id, packed=False):
     """{sample input ids: summed token cross-entropy} for every sample (or packed piece) in rows."""
-    batch = Collator(pad_id)(rows)
+    batch = Collator(pad_id, Layout(packed=packed))(rows)
     with torch.no_grad():
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        logits = model(**batch.model_inputs, use_cache=False).logits
     token_loss = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1),
-        batch["labels"][:, 1:].flatten(),
+        batch.targets["labels"][:, 1:].flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="none",
     ).view(len(rows), -1)
@@ -96,7 +97,7 @@ def test_packed_loss_equals_unpacked(
     model.eval()
     packed_rows, plain_rows = [dict(r) for r in packed.train], [dict(r) for r in plain.train]
     assert all(len(r["input_ids"]) <= 128 for r in packed_rows)
-    packed_losses = per_sample_losses(model, packed_rows, tokenizer.pad_token_id)
+    packed_losses = per_sample_losses(model, packed_rows, tokenizer.pad_token_id, packed=True)
     plain_losses = per_sample_losses(model, plain_rows, tokenizer.pad_token_id)
     assert packed_losses.keys() == plain_losses.keys()
     for sample, loss in plain_losses.items():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tuneforge.batch import Layout
 from tuneforge.data import build, preview
 from tuneforge.data.collate import Collator
 from tuneforge.errors import DataError
@@ -107,9 +108,9 @@ def test_kl_pairs_follow_the_encoding_batches_and_the_cache_key_knows(tokenizer,
 def test_the_collator_takes_built_rows(tokenizer, home, make_cfg):
     splits = build(make_cfg(REPO_DATA, dataset="dpo_demo", stage="dpo", max_samples=4), tokenizer)
     rows = [splits.train[i] for i in range(3)]
-    batch = Collator(tokenizer.pad_token_id)(rows)
-    assert batch["input_ids"].shape[0] == 6
-    ends = batch["input_ids"].view(-1)[batch["sequence_ends"]]
+    batch = Collator(tokenizer.pad_token_id, Layout(rows="pairwise"))(rows)
+    assert batch.model_inputs["input_ids"].shape[0] == 6
+    ends = batch.model_inputs["input_ids"].view(-1)[batch.targets["sequence_ends"]]
     assert ends.tolist() == [198] * 6  # every sequence ends with the newline after <|im_end|>
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tuneforge.batch import Layout
 from tuneforge.data.collate import Collator
 from tuneforge.model import attention
 from tuneforge.train.objectives import lm_objective
@@ -37,7 +38,7 @@ def test_flattened_batch_matches_the_padded_batch(tiny_model_dir, implementation
     model.config.use_cache = False
     padded_loss, padded_grads = loss_and_grads(model, Collator(pad_token_id=2)(rows()))
     model.set_attn_implementation(implementation)
-    flat_batch = Collator(pad_token_id=2, padding_free=True)(rows())
+    flat_batch = Collator(pad_token_id=2, layout=Layout(flat=True))(rows())
     flat_loss, flat_grads = loss_and_grads(model, flat_batch)
     assert lm_objective.count(flat_batch) == 5 + 1 + 10
     assert flat_loss == pytest.approx(padded_loss, rel=1e-5)
@@ -63,7 +64,7 @@ def test_packed_sdpa_runs_each_sequence_on_its_own(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
     with torch.no_grad():
-        model(**{k: v for k, v in Collator(2, padding_free=True)(rows()).items() if k != "labels"})
+        model(**Collator(2, Layout(flat=True))(rows()).model_inputs)
     assert calls == [(7, True, True), (3, True, True), (12, True, True)] * model.config.num_hidden_layers
 
 

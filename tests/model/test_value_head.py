@@ -6,33 +6,41 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tuneforge.batch import Batch, Layout
 from tuneforge.errors import ModelError
 from tuneforge.model.value_head import VALUE_HEAD_FILE, ValueHeadModel, attach_value_head, load_value_head
 
 SEQUENCES = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
 
 
-def padded_batch(sequences=SEQUENCES) -> dict:
+def padded_batch(sequences=SEQUENCES) -> Batch:
     width = max(map(len, sequences))
-    return {
-        "input_ids": torch.tensor([s + [2] * (width - len(s)) for s in sequences]),
-        "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]),
-        "labels": torch.full((len(sequences), width), -100),
-        "sequence_ends": torch.tensor([i * width + len(s) - 1 for i, s in enumerate(sequences)]),
-    }
+    return Batch(
+        {
+            "input_ids": torch.tensor([s + [2] * (width - len(s)) for s in sequences]),
+            "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]),
+        },
+        {
+            "labels": torch.full((len(sequences), width), -100),
+            "sequence_ends": torch.tensor([i * width + len(s) - 1 for i, s in enumerate(sequences)]),
+        },
+        Layout(rows="pairwise"),
+    )
 
 
-def padding_free_batch(sequences=SEQUENCES) -> dict:
+def padding_free_batch(sequences=SEQUENCES) -> Batch:
     flat = [t for s in sequences for t in s]
     bounds = torch.tensor([0, *torch.tensor(list(map(len, sequences))).cumsum(0).tolist()], dtype=torch.int32)
-    return {
-        "input_ids": torch.tensor([flat]),
-        "labels": torch.full((1, len(flat)), -100),
-        "position_ids": torch.tensor([[p for s in sequences for p in range(len(s))]]),
-        "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
-        "max_length_q": max(map(len, sequences)), "max_length_k": max(map(len, sequences)),
-        "sequence_ends": (bounds[1:] - 1).long(),
-    }
+    return Batch(
+        {
+            "input_ids": torch.tensor([flat]),
+            "position_ids": torch.tensor([[p for s in sequences for p in range(len(s))]]),
+            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+            "max_length_q": max(map(len, sequences)), "max_length_k": max(map(len, sequences)),
+        },
+        {"labels": torch.full((1, len(flat)), -100), "sequence_ends": (bounds[1:] - 1).long()},
+        Layout(rows="pairwise", flat=True),
+    )
 
 
 def load(model_dir, lora: bool = False):

@@ -7,7 +7,12 @@ cu_seq_lens; both carry sequence_ids (-1 on padding) and sequence_ends (flat ind
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from train_helpers import as_batch
+
+from tuneforge.batch import Batch, Layout
 
 PAD_ID = 2
 IGNORE = -100
@@ -15,7 +20,17 @@ IGNORE = -100
 Sequence = tuple[list[int], list[int]]  # (input_ids, labels)
 
 
-def collate_sequences(sequences: list[Sequence], padding_free: bool) -> dict:
+def collate_sequences(sequences: list[Sequence], padding_free: bool, rows: str = "pairwise") -> Batch:
+    layout = Layout(rows=rows, flat=padding_free)
+    return as_batch(_columns(sequences, padding_free), layout, num_rows=len(sequences) // 2)
+
+
+def with_targets(batch: Batch, **targets) -> Batch:
+    """The batch with these targets added (e.g. precomputed ref_logps)."""
+    return dataclasses.replace(batch, targets={**batch.targets, **targets})
+
+
+def _columns(sequences: list[Sequence], padding_free: bool) -> dict:
     if padding_free:
         ids, labels, positions, owners, ends, bounds = [], [], [], [], [], [0]
         for index, (seq_ids, seq_labels) in enumerate(sequences):
@@ -76,13 +91,13 @@ def pairwise_sequences(
     return chosen + rejected
 
 
-def pairwise_batch(prompt_lens, chosen_lens, rejected_lens, padding_free=False, seed=0) -> dict:
+def pairwise_batch(prompt_lens, chosen_lens, rejected_lens, padding_free=False, seed=0) -> Batch:
     return collate_sequences(pairwise_sequences(prompt_lens, chosen_lens, rejected_lens, seed), padding_free)
 
 
 def feedback_batch(
     prompt_lens: list[int], completion_lens: list[int], tags: list[int], padding_free=False, seed=0
-) -> dict:
+) -> Batch:
     """B samples: completion_i = prompt_i + its completion, kl_i = prompt_i + sample (i+1) % B's completion."""
     g = torch.Generator().manual_seed(seed)
     prompts = [random_tokens(g, n) for n in prompt_lens]
@@ -90,8 +105,8 @@ def feedback_batch(
     size = len(prompts)
     own = [prompt_completion(p, c) for p, c in zip(prompts, completions, strict=True)]
     kl = [prompt_completion(prompts[i], completions[(i + 1) % size]) for i in range(size)]
-    batch = collate_sequences(own + kl, padding_free)
-    batch["kto_tags"] = torch.tensor(tags)
+    batch = collate_sequences(own + kl, padding_free, rows="feedback")
+    batch.targets["kto_tags"] = torch.tensor(tags)
     return batch
 
 

@@ -53,7 +53,7 @@ def batch_with_ratios(model, tags, completion_ratios, kl_ratios, padding_free=Fa
     batch = feedback_batch(PROMPTS, COMPLETIONS, tags, padding_free=padding_free)
     with torch.no_grad():
         policy = sequence_logps(model, batch).logps
-    batch["ref_logps"] = policy - torch.tensor([*completion_ratios, *kl_ratios])
+    batch.targets["ref_logps"] = policy - torch.tensor([*completion_ratios, *kl_ratios])
     return batch, policy
 
 
@@ -114,7 +114,7 @@ def test_kl_is_detached(tiny_model_dir):
         batch, _ = batch_with_ratios(model, tags.tolist(), [0.5, -0.5, 0.0], [2.0, 2.0, 2.0])
         if constant_z:  # z = 2.0, the mean KL log-ratio, as a plain number
             policy = sequence_logps(model, batch).logps
-            losses, _ = kto_loss(policy[:3], batch["ref_logps"][:3], torch.tensor(2.0), tags, beta=0.1)
+            losses, _ = kto_loss(policy[:3], batch.targets["ref_logps"][:3], torch.tensor(2.0), tags, beta=0.1)
             loss = losses.sum()
         else:
             out = KTOObjective(pref_beta=0.1)(model, batch)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import collate, load_model, random_dataset
+from train_helpers import as_batch, collate, load_model, random_dataset
 
+from tuneforge.batch import Layout
 from tuneforge.train.objectives import Objective, ObjectiveOutput, lm_objective
 from tuneforge.train.objectives.lm import LMObjective, can_fuse_head
 
 
 def manual_loss_sum(model, batch) -> tuple[float, int]:
     """-sum log p(label[t+1] | tokens <= t) over supervised targets, one row at a time without padding."""
+    batch = {**batch.model_inputs, **batch.targets}
     total, count = 0.0, 0
     with torch.no_grad():
         for b in range(batch["input_ids"].shape[0]):
@@ -55,7 +57,7 @@ def test_gradients_match_transformers_mean_loss(tiny_model_dir, batch):
     for key in ("reference", "fused", "forward"):
         model = load_model(tiny_model_dir)
         if key == "reference":
-            loss = model(**batch).loss
+            loss = model(**batch.model_inputs, labels=batch.targets["labels"]).loss
         else:
             objective = LMObjective(head=key, chunk_tokens=2)
             loss = objective(model, batch).loss_sum / objective.count(batch)
@@ -79,21 +81,21 @@ def test_packed_row_loss_equals_the_separate_rows(tiny_model_dir):
     """A packed row (position ids restart at 0) never predicts the next sample's first token."""
     model = load_model(tiny_model_dir)
     a, b = [11, 12, 13, 14], [21, 22, 23]
-    packed = {
+    packed = as_batch({
         "input_ids": torch.tensor([a + b]),
         "labels": torch.tensor([a + b]),
         "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
-    }
+    }, Layout(packed=True))
     assert lm_objective.count(packed) == 3 + 2
     separate = sum(
         float(
             lm_objective(
                 model,
-                {
+                as_batch({
                     "input_ids": torch.tensor([row]),
                     "labels": torch.tensor([row]),
                     "attention_mask": torch.ones(1, len(row), dtype=torch.long),
-                },
+                }),
             ).loss_sum
         )
         for row in (a, b)
@@ -120,7 +122,7 @@ def test_soft_capped_head_uses_the_model_forward():
     model = Gemma2ForCausalLM(config)
     assert not can_fuse_head(model)
     ids = torch.randint(0, 64, (1, 6))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    batch = as_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
     expected, _ = manual_loss_sum(model, batch)
     assert float(LMObjective()(model, batch).loss_sum) == pytest.approx(expected, rel=1e-5)
 
@@ -128,7 +130,7 @@ def test_soft_capped_head_uses_the_model_forward():
 def test_batch_without_targets_gives_zero_loss_that_backpropagates(tiny_model_dir):
     model = load_model(tiny_model_dir)
     ids = torch.tensor([[5, 6, 7]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}
+    batch = as_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)})
     assert lm_objective.count(batch) == 0
     out = lm_objective(model, batch)
     out.loss_sum.backward()

@@ -6,7 +6,13 @@ import math
 
 import pytest
 import torch
-from preference_helpers import brute_force_logps, collate_sequences, pairwise_batch, pairwise_sequences
+from preference_helpers import (
+    brute_force_logps,
+    collate_sequences,
+    pairwise_batch,
+    pairwise_sequences,
+    with_targets,
+)
 from train_helpers import load_model
 
 from tuneforge.config import RunConfig
@@ -125,7 +131,7 @@ def test_objective_protocol_and_pair_count():
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_sigmoid_objective_loss_and_metrics(model, padding_free):
     logps, _, ref = policy_and_ref(model)
-    batch = {**pairwise_batch(*SHAPE, padding_free=padding_free), "ref_logps": ref}
+    batch = with_targets(pairwise_batch(*SHAPE, padding_free=padding_free), ref_logps=ref)
     out = PreferenceObjective(pref_beta=0.1)(model, batch)
     # Δ_0 = 0.5 − (−0.25) = 0.75, Δ_1 = −1 − 2 = −3: loss = log(1 + e^−0.075) + log(1 + e^0.3)
     assert float(out.loss_sum.detach()) == pytest.approx(softplus(-0.075) + softplus(0.3), rel=1e-5)
@@ -140,7 +146,7 @@ def test_sigmoid_objective_loss_and_metrics(model, padding_free):
 
 def test_ftx_adds_the_chosen_mean_nll(model):
     logps, counts, ref = policy_and_ref(model)
-    batch = {**pairwise_batch(*SHAPE), "ref_logps": ref}
+    batch = with_targets(pairwise_batch(*SHAPE), ref_logps=ref)
     plain = float(PreferenceObjective()(model, batch).loss_sum.detach())
     mixed = float(PreferenceObjective(pref_ftx=0.5)(model, batch).loss_sum.detach())
     nll_chosen = -(logps[:2] / counts[:2]).sum()  # chosen completions of 4 and 2 tokens
@@ -149,7 +155,7 @@ def test_ftx_adds_the_chosen_mean_nll(model):
 
 def test_ipo_objective_uses_per_token_averages(model):
     logps, counts, ref = policy_and_ref(model)
-    batch = {**pairwise_batch(*SHAPE), "ref_logps": ref}
+    batch = with_targets(pairwise_batch(*SHAPE), ref_logps=ref)
     out = PreferenceObjective(pref_loss="ipo", pref_beta=0.5)(model, batch)
     # log-ratios / counts: chosen 0.5/4, −1/2; rejected −0.25/3, 2/6; (Δ − 1/(2·0.5))² = (Δ − 1)²
     deltas = [0.5 / 4 + 0.25 / 3, -1 / 2 - 2 / 6]
@@ -183,7 +189,7 @@ def test_precomputed_ref_logps_equal_the_reference_on_the_fly(tiny_model_dir):
     reference = AdapterReference()
     precomputed = reference_logps(reference, policy, batch)
     on_the_fly = PreferenceObjective(reference=reference)(policy, batch).loss_sum.detach()
-    from_batch = PreferenceObjective(reference=None)(policy, {**batch, "ref_logps": precomputed}).loss_sum.detach()
+    from_batch = PreferenceObjective(reference=None)(policy, with_targets(batch, ref_logps=precomputed)).loss_sum.detach()
     assert float(on_the_fly) == pytest.approx(float(from_batch), abs=1e-6)
     assert float(on_the_fly) != pytest.approx(2 * math.log(2), abs=1e-3)  # policy ≠ reference
 

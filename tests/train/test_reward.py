@@ -96,10 +96,11 @@ def test_resume_restores_the_value_head_and_adapter_exactly(tmp_path, tiny_model
 
     from train_helpers import make_cfg, trainable_state
 
+    from tuneforge.batch import Layout
     from tuneforge.data.collate import Collator
     from tuneforge.train import Trainer
 
-    data, collator = pairwise_rows(8), Collator(PAD_ID, padding_free=True)
+    data, collator = pairwise_rows(8), Collator(PAD_ID, Layout(rows="pairwise", flat=True))
     keys = dict(stage="rm", finetuning_type="lora", max_steps=4, save_steps=2, save_strategy="steps",
                 learning_rate=1e-2)
 

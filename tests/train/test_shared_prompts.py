@@ -8,6 +8,7 @@ import torch
 from preference_helpers import PAD_ID, brute_force_logps, pairwise_sequences
 from train_helpers import load_model
 
+from tuneforge.batch import Layout
 from tuneforge.data.collate import Collator
 from tuneforge.model import attention
 from tuneforge.model.value_head import ValueHeadModel
@@ -46,8 +47,13 @@ def sequences():
     return pairwise_sequences(*SHAPE, seed=3)
 
 
+def shared(kind: str) -> Layout:
+    return Layout(rows=kind, flat=True, shared_prefix=True)
+
+
 def test_the_prompt_is_in_the_row_once(sequences):
-    batch = Collator(PAD_ID, padding_free=True, share_prompts=True)(rows_of(sequences, "pairwise"))
+    collated = Collator(PAD_ID, shared("pairwise"))(rows_of(sequences, "pairwise"))
+    batch = {**collated.model_inputs, **collated.targets}
     prompts = sum(SHAPE[0])
     assert batch["input_ids"].shape == (1, sum(len(ids) for ids, _ in sequences) - prompts)
     assert batch["shared_prefix"].tolist() == [[0, 3, 4, 3], [10, 5, 2, 6], [23, 1, 5, 1]]
@@ -59,7 +65,7 @@ def test_the_prompt_is_in_the_row_once(sequences):
 @pytest.mark.parametrize("kind", ["pairwise", "feedback"])
 @pytest.mark.parametrize("head", ["fused", "forward"])
 def test_logps_and_gradients_equal_the_brute_force(tiny_model_dir, model, sequences, kind, head):
-    batch = Collator(PAD_ID, padding_free=True, share_prompts=True)(rows_of(sequences, kind))
+    batch = Collator(PAD_ID, shared(kind))(rows_of(sequences, kind))
     expected_model = load_model(tiny_model_dir)
     expected, counts = brute_force_logps(expected_model, sequences)
     got = sequence_logps(model, batch, head=head, chunk_tokens=3)
@@ -80,6 +86,6 @@ def test_value_head_scores_equal_the_unshared_batch(model, sequences):
     scorer = ValueHeadModel(model).eval()
     rows = rows_of(sequences, "pairwise")
     with torch.no_grad():
-        shared = scorer.score(Collator(PAD_ID, padding_free=True, share_prompts=True)(rows))
-        separate = scorer.score(Collator(PAD_ID, padding_free=True)(rows))
-    torch.testing.assert_close(shared, separate, rtol=1e-5, atol=1e-5)
+        one_prompt = scorer.score(Collator(PAD_ID, shared("pairwise"))(rows))
+        separate = scorer.score(Collator(PAD_ID, Layout(rows="pairwise", flat=True))(rows))
+    torch.testing.assert_close(one_prompt, separate, rtol=1e-5, atol=1e-5)

@@ -13,9 +13,10 @@ from train_helpers import collate, load_model, make_cfg, random_dataset, trainab
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tuneforge.atomic import is_partial
+from tuneforge.data.collate import Collator
 from tuneforge.errors import ConfigError, TrainingError
 from tuneforge.train import Trainer
-from tuneforge.train.trainer import count_tokens, epoch_micro_batches
+from tuneforge.train.trainer import epoch_micro_batches
 
 LENGTHS = [5, 9, 3, 7]  # unequal, so padding and per-sample means would show up
 
@@ -48,7 +49,8 @@ def test_accumulated_micro_batches_equal_one_full_batch(tmp_path, tiny_model_dir
     # reference: the model's own mean over every supervised token of the padded batch of 4
     model = load_model(tiny_model_dir)
     data = random_dataset(LENGTHS, seed=5)
-    reference = model(**collate([data[i] for i in range(4)])).loss
+    whole = collate([data[i] for i in range(4)])
+    reference = model(**whole.model_inputs, labels=whole.targets["labels"]).loss
     reference.backward()
     assert acc_loss == pytest.approx(full_loss, abs=1e-5)
     assert full_loss == pytest.approx(float(reference.detach()), abs=1e-5)
@@ -143,7 +145,7 @@ def test_fractional_epochs(tmp_path, tiny_model_dir):
 
 def test_count_tokens_ignores_padding():
     rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7], "attention_mask": [1, 1, 1, 0]}]
-    assert count_tokens(rows) == 6
+    assert Collator(0)(rows).num_tokens == 6  # counted by the collator from the rows, for the trainer
 
 
 def test_eval_loss_is_the_token_weighted_mean(tmp_path, tiny_model_dir):

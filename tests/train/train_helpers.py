@@ -5,10 +5,25 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
+from tuneforge.batch import Batch, Layout
+
 PAD_ID = 2  # <|im_end|>, the built-in tokenizer's pad token
+# the columns of a hand-built batch that go to the model (the rest are the objective's targets)
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+              "max_length_k", "shared_prefix")
 
 
-def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+def as_batch(columns: dict, layout: Layout | None = None, num_rows: int | None = None) -> Batch:
+    """A hand-built dict of collated columns as a tuneforge.batch.Batch (model inputs split from targets)."""
+    model_inputs = {k: v for k, v in columns.items() if k in MODEL_KEYS}
+    targets = {k: v for k, v in columns.items() if k not in MODEL_KEYS}
+    ids = model_inputs["input_ids"]
+    mask = model_inputs.get("attention_mask")
+    tokens = int(mask.sum()) if mask is not None else int(ids.numel())
+    return Batch(model_inputs, targets, layout or Layout(), num_rows=num_rows or int(ids.shape[0]), num_tokens=tokens)
+
+
+def collate(rows: list[dict]) -> Batch:
     """Right-pad to the longest row: pad id in input_ids, 0 in attention_mask, -100 in labels."""
     width = max(len(r["input_ids"]) for r in rows)
     out = {"input_ids": [], "attention_mask": [], "labels": []}
@@ -17,7 +32,7 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         out["input_ids"].append(list(r["input_ids"]) + [PAD_ID] * pad)
         out["attention_mask"].append(list(r["attention_mask"]) + [0] * pad)
         out["labels"].append(list(r["labels"]) + [-100] * pad)
-    return {k: torch.tensor(v) for k, v in out.items()}
+    return as_batch({k: torch.tensor(v) for k, v in out.items()}, num_rows=len(rows))
 
 
 def random_dataset(

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tuneforge.stages import PREF_LOSS_CHOICES, STAGE_CHOICES
+
 
 def opt(default: Any = None, *, choices: tuple | None = None, help: str = "") -> Any:
     """A field with a default, optional choices, and a line of help for the README / errors."""
@@ -21,11 +23,6 @@ def opt(default: Any = None, *, choices: tuple | None = None, help: str = "") ->
     return field(default=default, metadata=meta)
 
 
-STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto", "grpo")
-IMPLEMENTED_STAGES = ("pt", "sft", "rm", "dpo", "kto")
-PAIRWISE_STAGES = ("rm", "dpo")
-PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
-REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 FINETUNING_TYPES = ("full", "freeze", "lora", "oft")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
@@ -56,7 +53,7 @@ class ModelArgs:
 
 @dataclass
 class MethodArgs:
-    stage: str = opt("sft", choices=STAGES, help="training stage")
+    stage: str = opt("sft", choices=STAGE_CHOICES, help="training stage (the rows of tuneforge/stages.py)")
     finetuning_type: str = opt("lora", choices=FINETUNING_TYPES, help="full, freeze, lora or oft")
     lora_rank: int = opt(8, help="LoRA rank r")
     lora_alpha: int | None = opt(None, help="LoRA alpha; default 2 x lora_rank")
@@ -78,7 +75,7 @@ class MethodArgs:
     oft_block_size: int = opt(32, help="OFT block size; set this or oft_rank")
     oft_target: list[str] = opt(["all"], help="modules to adapt with OFT")
     # preference stages (rm, dpo, kto); orpo and simpo are stage dpo with that pref_loss, as in LlamaFactory
-    pref_loss: str = opt("sigmoid", choices=PREF_LOSSES, help="dpo loss: sigmoid, hinge, ipo, orpo, simpo")
+    pref_loss: str = opt("sigmoid", choices=PREF_LOSS_CHOICES, help="dpo loss: sigmoid, hinge, ipo, orpo, simpo")
     pref_beta: float = opt(0.1, help="beta of the preference loss (lambda for orpo)")
     pref_ftx: float = opt(0.0, help="weight of the SFT loss on the chosen answer mixed into dpo")
     simpo_gamma: float = opt(0.5, help="simpo: target reward margin gamma")

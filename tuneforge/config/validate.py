@@ -9,8 +9,18 @@ from pathlib import Path
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
 from tuneforge.config.processes import planned_processes
-from tuneforge.config.schema import IMPLEMENTED_STAGES, REFERENCE_FREE_LOSSES, RunConfig
+from tuneforge.config.schema import RunConfig
 from tuneforge.errors import ConfigError
+from tuneforge.stages import (
+    REFERENCE_NEVER,
+    STAGES,
+    built_stages,
+    preference_problem,
+    stage_of,
+    stages_where,
+    words,
+)
+from tuneforge.stages import uses_reference as stage_uses_reference
 
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -38,8 +48,10 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
 
     if not m.model_name_or_path:
         fail("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)", key="model_name_or_path")
-    if me.stage not in IMPLEMENTED_STAGES:
-        fail(f"stage '{me.stage}' is not implemented yet; available: {', '.join(IMPLEMENTED_STAGES)}", key="stage")
+    if me.stage not in STAGES:  # a RunConfig built in code skips the loader's choices check
+        fail(f"stage '{me.stage}' is not a stage; available: {', '.join(built_stages())}", key="stage")
+    if stage_of(me.stage).planned:
+        fail(f"stage '{me.stage}' is not implemented yet; available: {', '.join(built_stages())}", key="stage")
 
     # method
     if me.lora_rank <= 0:
@@ -166,31 +178,32 @@ def _check_scheduler(cfg: RunConfig, fail) -> None:
 
 
 def uses_reference(cfg: RunConfig) -> bool:
-    """True when the stage's loss compares the policy with a reference model (dpo except orpo/simpo, kto)."""
-    me = cfg.method
-    return me.stage == "kto" or (me.stage == "dpo" and me.pref_loss not in REFERENCE_FREE_LOSSES)
+    """True when the stage's loss compares the policy with a reference model (the stage table's row says
+    always, never, or as its pref_loss row says: dpo except orpo / simpo; kto)."""
+    return stage_uses_reference(cfg.method.stage, cfg.method.pref_loss)
 
 
 def _check_preference(cfg: RunConfig, fail) -> None:
+    """The stage's rules from its row, and the objectives' rules for the preference keys (the one place of
+    those: stages.preference_problem, which the objectives' constructors only re-assert)."""
     me, d = cfg.method, cfg.data
-    if me.stage in ("rm", "dpo", "kto") and (d.packing or d.neat_packing):
+    stage = stage_of(me.stage)
+    if not stage.can_pack and (d.packing or d.neat_packing):
         fail(f"packing joins samples into one row; stage {me.stage} compares whole sequences, so set packing: false", key="packing")
-    if me.pref_beta <= 0:
-        fail(f"pref_beta must be > 0 (got {me.pref_beta})", key="pref_beta")
-    if me.pref_ftx < 0 or me.simpo_gamma < 0:
-        fail("pref_ftx and simpo_gamma must be >= 0", key=("pref_ftx", "simpo_gamma"))
-    if not 0.0 <= me.dpo_label_smoothing <= 0.5:
-        fail(f"dpo_label_smoothing must be in [0, 0.5] (got {me.dpo_label_smoothing})", key="dpo_label_smoothing")
-    if me.dpo_label_smoothing > 0 and me.pref_loss != "sigmoid":
-        fail(f"dpo_label_smoothing applies to pref_loss sigmoid only (pref_loss is {me.pref_loss})", key=("dpo_label_smoothing", "pref_loss"))
-    if me.kto_chosen_weight <= 0 or me.kto_rejected_weight <= 0:
-        fail("kto_chosen_weight and kto_rejected_weight must be > 0", key=("kto_chosen_weight", "kto_rejected_weight"))
+    problem = preference_problem(
+        pref_loss=me.pref_loss, pref_beta=me.pref_beta, pref_ftx=me.pref_ftx, simpo_gamma=me.simpo_gamma,
+        dpo_label_smoothing=me.dpo_label_smoothing, kto_chosen_weight=me.kto_chosen_weight,
+        kto_rejected_weight=me.kto_rejected_weight,
+    )
+    if problem:
+        fail(problem, key=problem.keys)
     if me.ref_model_adapters and not me.ref_model:
         fail("ref_model_adapters needs ref_model (the base model the adapters belong to)", key=("ref_model_adapters", "ref_model"))
-    if me.stage not in ("dpo", "kto"):
+    if stage.reference == REFERENCE_NEVER:
         if me.ref_model or me.precompute_ref_log_probs:
             key = "ref_model" if me.ref_model else "precompute_ref_log_probs"
-            fail(f"{key} is for stages dpo and kto; stage {me.stage} has no reference model", key=key)
+            with_reference = words(stages_where(lambda s: s.reference != REFERENCE_NEVER))
+            fail(f"{key} is for stages {with_reference}; stage {me.stage} has no reference model", key=key)
         return
     if not uses_reference(cfg):
         if me.ref_model or me.precompute_ref_log_probs:

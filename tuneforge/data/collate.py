@@ -1,24 +1,27 @@
-"""Token rows -> a padded batch of tensors.
+"""Token rows -> a `tuneforge.batch.Batch`: the model's inputs, the objective's targets, the layout, the counts.
 
-Rows without position_ids get an attention_mask (1 on tokens, 0 on padding). Packed rows (with
-position_ids) get position_ids and no attention_mask: transformers then builds a block-diagonal causal
-mask from the position ids, one block per run that starts at 0. Padding is given its own such run
-(0, 1, 2, ...), so it is a block of its own and no real token attends to it.
+The layout (tuneforge.batch.Layout) is decided once by the workflow and handed to the Collator; nothing here
+guesses it from the rows' columns.
 
-With padding_free, a micro-batch becomes one row: the samples back to back, position ids restarting at 0
-for each, and their boundaries as `cu_seq_lens_q/k` (+ `max_length_q/k`), the keywords transformers'
+Padded rows (not flat) get an attention_mask (1 on tokens, 0 on padding), unless they are packed: packed
+rows get their position_ids and no attention_mask, and transformers builds a block-diagonal causal mask
+from the position ids, one block per run that starts at 0. Padding is given its own such run (0, 1, 2, ...),
+so it is a block of its own and no real token attends to it.
+
+A flat (padding-free) layout makes a micro-batch one row: the samples back to back, position ids restarting
+at 0 for each, and their boundaries as `cu_seq_lens_q/k` (+ `max_length_q/k`), the keywords transformers'
 varlen attention reads (flash-attention, and tuneforge.model.attention's sdpa). No token is padding, and
-the loss is the padded batch's: every sample sees only itself.
-
-The model must run without a KV cache (`use_cache=False`) for this: with a cache transformers does not
-look for packed sequences and lets the pieces of a row attend to each other.
+the loss is the padded batch's: every sample sees only itself. The model must run without a KV cache
+(`use_cache=False`) for this: with a cache transformers does not look for packed sequences and lets the
+pieces of a row attend to each other.
 
 Preference rows (pairwise: chosen_* / rejected_*; feedback: the answer and kl_*) hold several sequences.
 B rows become S = 2B sequences, all first halves then all second halves (chosen_0 .. chosen_{B-1},
-rejected_0 .. rejected_{B-1}), collated as plain rows are, plus what the objectives read:
+rejected_0 .. rejected_{B-1}), collated as plain rows are, plus the targets the objectives read:
 `sequence_ids` (shaped like input_ids: the sequence of each token, -1 on padding), `sequence_ends` (S,)
 (the index in input_ids.view(-1) of each sequence's last token), `kto_tags` (B,) for feedback rows, and
-`ref_logps` (S,) float32 when the rows carry precomputed reference log-probs.
+`ref_logps` (S,) float32 when the rows carry precomputed reference log-probs. A shared-prefix layout puts
+each row's two sequences on one copy of their prompt (shared_prompt_batch).
 """
 
 from __future__ import annotations
@@ -27,57 +30,64 @@ from typing import Any
 
 import torch
 
+from tuneforge.batch import Batch, Layout
 from tuneforge.data.encode import IGNORE_INDEX
 from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
 
+# the column prefixes of the sequences one row holds, per row kind of the layout
+ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), **SEQUENCE_PREFIXES}
+# per row kind, columns of a row that become targets of the batch: row column -> target name (one value a row)
+ROW_TARGETS: dict[str, dict[str, str]] = {"feedback": {"kto_tag": "kto_tags"}}
 
-def row_kind(row: dict[str, Any]) -> str:
-    """plain, pairwise or feedback: which layout a token row has."""
-    if "chosen_input_ids" in row:
-        return "pairwise"
-    if "kl_input_ids" in row:
-        return "feedback"
-    return "plain"
+Columns = tuple[dict[str, Any], dict[str, Any]]  # (model_inputs, targets)
+
+
+def count_tokens(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> int:
+    """Real tokens of uncollated rows: each sequence's attention_mask sum (its length without one).
+
+    Counted before collation, so padding, packing and prompt sharing cannot change it."""
+    total = 0
+    for row in rows:
+        for prefix in prefixes:
+            mask = row.get(f"{prefix}attention_mask")
+            total += int(sum(mask)) if mask is not None else len(row[f"{prefix}input_ids"])
+    return total
 
 
 class Collator:
-    def __init__(
-        self,
-        pad_token_id: int,
-        pad_to_multiple_of: int | None = None,
-        padding_free: bool = False,
-        share_prompts: bool = False,
-    ) -> None:
-        """share_prompts (with padding_free): a preference row's two sequences share one copy of their
-        prompt (see shared_prompt_batch); only for models whose attention reads `shared_prefix`."""
+    def __init__(self, pad_token_id: int, layout: Layout | None = None, pad_to_multiple_of: int | None = None) -> None:
+        """layout: the row kind, flat (padding-free), packed and shared-prefix, decided by the workflow."""
         if pad_token_id is None:
             raise ValueError("Collator needs a pad_token_id (the tokenizer's pad or eos token)")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.padding_free = padding_free
-        self.share_prompts = share_prompts and padding_free
+        self.layout = layout or Layout()
 
     def _width(self, rows: list[dict[str, Any]]) -> int:
         width = max(len(r["input_ids"]) for r in rows)
         m = self.pad_to_multiple_of
         return -(-width // m) * m if m else width
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, rows: list[dict[str, Any]]) -> Batch:
         if not rows:
             raise ValueError("cannot collate an empty batch")
-        kinds = {row_kind(r) for r in rows}
-        if len(kinds) > 1:
-            raise ValueError(f"cannot collate a batch that mixes row layouts {sorted(kinds)}")
-        kind = kinds.pop()
-        if kind != "plain":
-            return self._preference(rows, kind)
-        return self._plain(rows)
+        prefixes = ROW_PREFIXES[self.layout.rows]
+        for i, row in enumerate(rows):
+            missing = [f"{p}input_ids" for p in prefixes if f"{p}input_ids" not in row]
+            if missing:
+                raise ValueError(f"the batch mixes row layouts: row {i} has no {missing[0]} column, which "
+                                 f"{self.layout.rows} rows hold")
+        if self.layout.rows == "plain":
+            model_inputs, targets = self._plain(rows)
+        else:
+            model_inputs, targets = self._preference(rows, prefixes)
+        return Batch(model_inputs, targets, self.layout, num_rows=len(rows), num_tokens=count_tokens(rows, prefixes))
 
-    def _plain(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        if self.padding_free:
-            return flatten(rows)
+    def _plain(self, rows: list[dict[str, Any]]) -> Columns:
+        if self.layout.flat:
+            return flatten(rows, self.layout.packed)
         width = self._width(rows)
-        packed = any("position_ids" in r for r in rows)
+        packed = self.layout.packed
         input_ids, labels, masks, positions = [], [], [], []
         for r in rows:
             ids = list(r["input_ids"])
@@ -85,35 +95,30 @@ class Collator:
             input_ids.append(ids + [self.pad_token_id] * pad)
             labels.append(list(r.get("labels", ids)) + [IGNORE_INDEX] * pad)
             if packed:
-                own = list(r["position_ids"]) if "position_ids" in r else list(range(len(ids)))
-                positions.append(own + list(range(pad)))
+                positions.append(own_positions(r) + list(range(pad)))
             else:
                 masks.append(list(r.get("attention_mask", [1] * len(ids))) + [0] * pad)
-        batch = {
-            "input_ids": torch.tensor(input_ids, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
-        }
+        model_inputs = {"input_ids": torch.tensor(input_ids, dtype=torch.long)}
         if packed:
-            batch["position_ids"] = torch.tensor(positions, dtype=torch.long)
+            model_inputs["position_ids"] = torch.tensor(positions, dtype=torch.long)
         else:
-            batch["attention_mask"] = torch.tensor(masks, dtype=torch.long)
-        return batch
+            model_inputs["attention_mask"] = torch.tensor(masks, dtype=torch.long)
+        return model_inputs, {"labels": torch.tensor(labels, dtype=torch.long)}
 
-    def _preference(self, rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-        prefixes = SEQUENCE_PREFIXES[kind]
-        if self.share_prompts:
-            batch = shared_prompt_batch(rows, prefixes)
+    def _preference(self, rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> Columns:
+        if self.layout.shared_prefix:
+            model_inputs, targets = shared_prompt_batch(rows, prefixes)
         else:
-            batch = self._separate(rows, prefixes)
-        if kind == "feedback":
-            batch["kto_tags"] = torch.tensor([int(r["kto_tag"]) for r in rows], dtype=torch.long)
+            model_inputs, targets = self._separate(rows, prefixes)
+        for column, name in ROW_TARGETS.get(self.layout.rows, {}).items():
+            targets[name] = torch.tensor([int(r[column]) for r in rows], dtype=torch.long)
         ref = _ref_logps(rows, prefixes)
         if ref is not None:
-            batch["ref_logps"] = ref
-        return batch
+            targets["ref_logps"] = ref
+        return model_inputs, targets
 
-    def _separate(self, rows: list[dict[str, Any]], prefixes: tuple[str, str]) -> dict[str, Any]:
-        """The 2B sequences one after another (padded rows, or back to back when padding-free)."""
+    def _separate(self, rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> Columns:
+        """The 2B sequences one after another (padded rows, or back to back when flat)."""
         sequences = [
             {
                 "input_ids": r[f"{p}input_ids"],
@@ -123,11 +128,16 @@ class Collator:
             for p in prefixes
             for r in rows
         ]
-        batch = self._plain(sequences)
+        model_inputs, targets = self._plain(sequences)
         lengths = torch.tensor([len(s["input_ids"]) for s in sequences], dtype=torch.long)
-        width = batch["input_ids"].shape[1]
-        batch["sequence_ids"], batch["sequence_ends"] = sequence_layout(lengths, width, self.padding_free)
-        return batch
+        width = model_inputs["input_ids"].shape[1]
+        targets["sequence_ids"], targets["sequence_ends"] = sequence_layout(lengths, width, self.layout.flat)
+        return model_inputs, targets
+
+
+def own_positions(row: dict[str, Any]) -> list[int]:
+    """A packed row's position ids (a row of one sample, without the column, counts from 0)."""
+    return list(row["position_ids"]) if "position_ids" in row else list(range(len(row["input_ids"])))
 
 
 def shared_prefix_len(first: tuple[list, list], second: tuple[list, list]) -> int:
@@ -141,7 +151,7 @@ def shared_prefix_len(first: tuple[list, list], second: tuple[list, list]) -> in
     return n
 
 
-def shared_prompt_batch(rows: list[dict[str, Any]], prefixes: tuple[str, str]) -> dict[str, Any]:
+def shared_prompt_batch(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> Columns:
     """B preference rows -> one padding-free row where each row's two sequences share their prompt.
 
     Row b becomes [prompt, rest of sequence A, rest of sequence B]; B's position ids continue from the
@@ -174,10 +184,12 @@ def shared_prompt_batch(rows: list[dict[str, Any]], prefixes: tuple[str, str]) -
                     target_ids.append(labels[j])
                     target_sequences.append(k * count + b)
             ends[k * count + b] = where[-1]
-    return {
+    model_inputs = {
         "input_ids": torch.tensor([input_ids], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "shared_prefix": torch.tensor(groups, dtype=torch.long),
+    }
+    return model_inputs, {
         "sequence_ends": torch.tensor(ends, dtype=torch.long),
         "target_positions": torch.tensor(target_positions, dtype=torch.long),
         "target_ids": torch.tensor(target_ids, dtype=torch.long),
@@ -185,28 +197,28 @@ def shared_prompt_batch(rows: list[dict[str, Any]], prefixes: tuple[str, str]) -
     }
 
 
-def flatten(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def flatten(rows: list[dict[str, Any]], packed: bool = False) -> Columns:
     """Rows (plain or packed) -> one padding-free row with position ids and sequence boundaries."""
     input_ids, labels, positions = [], [], []
     for r in rows:
         ids = list(r["input_ids"])
         input_ids += ids
         labels += list(r.get("labels", ids))
-        positions += list(r["position_ids"]) if "position_ids" in r else list(range(len(ids)))
+        positions += own_positions(r) if packed else list(range(len(ids)))
     starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
     if starts[0] != 0:
         raise ValueError("a packed row must start a sequence (position id 0) at its first token")
     cu_seq_lens = torch.tensor(starts, dtype=torch.int32)
     longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
-    return {
+    model_inputs = {
         "input_ids": torch.tensor([input_ids], dtype=torch.long),
-        "labels": torch.tensor([labels], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "cu_seq_lens_q": cu_seq_lens,
         "cu_seq_lens_k": cu_seq_lens,
         "max_length_q": longest,
         "max_length_k": longest,
     }
+    return model_inputs, {"labels": torch.tensor([labels], dtype=torch.long)}
 
 
 def sequence_layout(

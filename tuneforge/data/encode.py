@@ -2,8 +2,8 @@
 
 Every output row carries `_status`: ok / ok_truncated (kept), bad (skipped malformed row), dropped
 (truncation left nothing supervised), empty (a pt document without text). The pipeline counts and
-filters on it. The preference encoders (`pairwise` for rm/dpo, `feedback` for kto) are in encode_pref.py;
-ENCODERS names each stage's encoder and the dataset kinds it reads.
+filters on it. The preference encoders (`pairwise`, `feedback`) are in encode_pref.py; tuneforge.data.encoders
+registers them all by name, and a stage's row in tuneforge/stages.py names the one it uses.
 """
 
 from __future__ import annotations
@@ -30,20 +30,6 @@ class EncodeSettings:
     skip_bad_rows: bool = False
 
 
-@dataclass(frozen=True)
-class EncoderSpec:
-    name: str
-    kinds: tuple[str, ...]  # the DatasetAttr kinds it reads
-
-
-ENCODERS = {
-    "pt": EncoderSpec("pretrain", ("plain",)),
-    "sft": EncoderSpec("supervised", ("plain",)),
-    "rm": EncoderSpec("pairwise", ("pairwise",)),
-    "dpo": EncoderSpec("pairwise", ("pairwise",)),
-    "kto": EncoderSpec("feedback", ("feedback",)),
-}
-PREFERENCE_ENCODERS = ("pairwise", "feedback")  # whole sequences compared with each other: never packed
 KIND_WORDS = {
     "plain": "a plain dataset (no ranking, no kto_tag)",
     "pairwise": "a ranking dataset (chosen/rejected, for rm or dpo)",
@@ -56,15 +42,13 @@ KIND_NEEDS = {
 }
 
 
-def check_stage(attr: DatasetAttr, stage: str) -> None:
-    """Stop before tokenizing when the stage cannot train on this kind of dataset."""
-    spec = ENCODERS.get(stage)
-    if spec is None:
-        raise DataError(f"stage {stage} has no data encoder yet; available: {', '.join(ENCODERS)}")
-    if attr.kind not in spec.kinds:
+def check_stage(attr: DatasetAttr, stage: Any) -> None:
+    """Stop before tokenizing when the stage (its row in tuneforge/stages.py) cannot train on this kind of
+    dataset."""
+    if attr.kind not in stage.dataset_kinds:
         raise DataError(
-            f"dataset '{attr.name}' is {KIND_WORDS[attr.kind]}, which stage {stage} cannot train on: it "
-            f"needs {KIND_NEEDS[spec.kinds[0]]}; choose another dataset or stage"
+            f"dataset '{attr.name}' is {KIND_WORDS[attr.kind]}, which stage {stage.name} cannot train on: it "
+            f"needs {KIND_NEEDS[stage.dataset_kinds[0]]}; choose another dataset or stage"
         )
 
 
@@ -93,14 +77,17 @@ def row_features(packed: bool) -> Any:
     return datasets.Features(cols)
 
 
-def encoded_features(stage: str) -> Any:
-    """The column types an encoder's map returns."""
+def pretrain_features() -> Any:
+    """The column types encode_pretrain's map returns (documents: ids only)."""
     import datasets
 
-    if stage == "pt":
-        return datasets.Features(
-            {"input_ids": datasets.List(datasets.Value("int32")), "_status": datasets.Value("string")}
-        )
+    return datasets.Features({"input_ids": datasets.List(datasets.Value("int32")), "_status": datasets.Value("string")})
+
+
+def supervised_features() -> Any:
+    """The column types encode_supervised's map returns."""
+    import datasets
+
     features = row_features(False)
     features["_status"] = datasets.Value("string")
     return features

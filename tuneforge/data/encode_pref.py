@@ -203,17 +203,27 @@ def encode_feedback(
     return _finish(out, prefixes, status)
 
 
-def encoded_features(encoder: str) -> Any:
-    """The column types the pairwise / feedback encoder's map returns."""
+def sequence_features(prefixes: tuple[str, ...], **extra: Any) -> Any:
+    """The column types of rows holding one sequence per prefix (+ extra columns), as an encoder's map
+    returns them."""
     import datasets
 
     ints = datasets.List(datasets.Value("int32"))
     cols: dict[str, Any] = {}
-    for prefix in SEQUENCE_PREFIXES[encoder]:
+    for prefix in prefixes:
         cols[f"{prefix}input_ids"] = ints
         cols[f"{prefix}labels"] = ints
         cols[f"{prefix}attention_mask"] = datasets.List(datasets.Value("int8"))
-    if encoder == "feedback":
-        cols["kto_tag"] = datasets.Value("int8")
+    cols.update(extra)
     cols["_status"] = datasets.Value("string")
     return datasets.Features(cols)
+
+
+def pairwise_features() -> Any:
+    return sequence_features(SEQUENCE_PREFIXES["pairwise"])
+
+
+def feedback_features() -> Any:
+    import datasets
+
+    return sequence_features(SEQUENCE_PREFIXES["feedback"], kto_tag=datasets.Value("int8"))

@@ -34,11 +34,12 @@ class Conversation:
         return head + [dict(m) for m in self.messages]
 
 
-def required_columns(attr: DatasetAttr, stage: str) -> list[str]:
+def required_columns(attr: DatasetAttr, documents: bool = False) -> list[str]:
+    """documents: the rows are read as plain text documents (the pretrain encoder)."""
     if attr.formatting == "alpaca":
         # a ranking row's answers are in its chosen / rejected columns, not in a response column
         keys: tuple[str, ...] = (
-            ("prompt",) if stage == "pt" or attr.kind == "pairwise" else ("prompt", "response")
+            ("prompt",) if documents or attr.kind == "pairwise" else ("prompt", "response")
         )
     else:
         keys = ("messages",)
@@ -46,16 +47,21 @@ def required_columns(attr: DatasetAttr, stage: str) -> list[str]:
     return [attr.column(k) for k in keys if attr.column(k)]
 
 
-def check_columns(attr: DatasetAttr, column_names: list[str], stage: str) -> None:
-    """Stop before encoding when a column the stage needs is missing from the whole dataset."""
-    if stage == "pt" and attr.formatting != "alpaca":
+def check_columns(
+    attr: DatasetAttr, column_names: list[str], stage: str, *, documents: bool = False, needs_response: bool = False
+) -> None:
+    """Stop before encoding when a column the stage needs is missing from the whole dataset.
+
+    documents: the stage's encoder reads plain text documents (pretrain); needs_response: it reads an
+    answer from every row (supervised), as a feedback dataset's rows always have one."""
+    if documents and attr.formatting != "alpaca":
         raise DataError(
-            f"dataset '{attr.name}': stage pt reads plain text, but the dataset is {attr.formatting}; "
+            f"dataset '{attr.name}': stage {stage} reads plain text, but the dataset is {attr.formatting}; "
             f'describe it with columns: {{"prompt": "<its text column>"}}'
         )
     if attr.formatting == "alpaca" and not attr.column("prompt"):
         raise DataError(f'dataset \'{attr.name}\': columns must name a prompt column (e.g. "prompt": "text")')
-    needs_response = stage == "sft" or attr.kind == "feedback"
+    needs_response = needs_response or attr.kind == "feedback"
     if needs_response and attr.formatting == "alpaca" and not attr.column("response"):
         raise DataError(
             f"dataset '{attr.name}': stage {stage} needs a response column in columns "
@@ -66,7 +72,7 @@ def check_columns(attr: DatasetAttr, column_names: list[str], stage: str) -> Non
             f"dataset '{attr.name}' has ranking: true, so columns must name its chosen and rejected "
             f'columns (e.g. "chosen": "chosen", "rejected": "rejected") in dataset_info.json'
         )
-    missing = [c for c in required_columns(attr, stage) if c not in column_names]
+    missing = [c for c in required_columns(attr, documents) if c not in column_names]
     if missing:
         raise DataError(
             f"dataset '{attr.name}': column '{missing[0]}' is not in the data (it has "

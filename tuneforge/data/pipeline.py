@@ -1,8 +1,8 @@
 """build(): dataset names -> tokenized train / eval splits, cached by the hash of everything they depend on.
 
-registry (rows) -> encode (stage encoder, per dataset) -> mix -> eval split -> packing -> cache.
-The preference stages (rm, dpo: encode_pref.encode_pairwise; kto: encode_pref.encode_feedback) are never
-packed: their objectives compare whole sequences.
+registry (rows) -> encode (the stage's encoder, per dataset) -> mix -> eval split -> packing -> cache.
+The stage's row (tuneforge/stages.py) names the encoder (tuneforge.data.encoders) and whether rows pack:
+the preference stages never do, their objectives compare whole sequences.
 """
 
 from __future__ import annotations
@@ -15,20 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuneforge.data import cache, encode, encode_pref, formats, packing, registry, template
+from tuneforge.data import cache, encode, formats, packing, registry, template
+from tuneforge.data.encoders import get_encoder
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
 from tuneforge.paths import tuneforge_home
+from tuneforge.stages import stage_of
 
 logger = logging.getLogger(__name__)
-
-ENCODE_FUNCTIONS = {
-    "pretrain": encode.encode_pretrain,
-    "supervised": encode.encode_supervised,
-    "pairwise": encode_pref.encode_pairwise,
-    "feedback": encode_pref.encode_feedback,
-}
-
 
 @dataclass
 class DataSplits:
@@ -50,13 +44,12 @@ class _Plan:
                 "no dataset to build: set dataset (names from dataset_info.json), or tokenized_path "
                 "to a folder written by `tuneforge preprocess`"
             )
+        spec = stage_of(self.stage)
         for attr in self.train_attrs + self.eval_attrs:
             registry.check_supported(attr)
-            encode.check_stage(attr, self.stage)
-        self.encoder = encode.ENCODERS[self.stage].name
-        self.chat = (
-            template.resolve_template(cfg.model.template, tokenizer) if self.encoder != "pretrain" else None
-        )
+            encode.check_stage(attr, spec)
+        self.encoder = get_encoder(spec.encoder)
+        self.chat = template.resolve_template(cfg.model.template, tokenizer) if self.encoder.chat else None
         self.settings = encode.EncodeSettings(
             stage=self.stage,
             cutoff_len=d.cutoff_len,
@@ -65,8 +58,8 @@ class _Plan:
             default_system=d.default_system,
             skip_bad_rows=d.skip_bad_rows,
         )
-        self.packing = self.encoder not in encode.PREFERENCE_ENCODERS and (
-            bool(d.neat_packing) or (d.packing if d.packing is not None else self.stage == "pt")
+        self.packing = spec.can_pack and (
+            bool(d.neat_packing) or (d.packing if d.packing is not None else spec.packs_by_default)
         )
         self.key = self._key()
 
@@ -92,7 +85,7 @@ class _Plan:
             "default_system": d.default_system,
             "skip_bad_rows": d.skip_bad_rows,
         }
-        if self.encoder == "feedback":  # the KL pairs are drawn within each batch of each worker's shard
+        if self.encoder.batch_dependent:  # e.g. kto's KL pairs, drawn within each batch of each worker's shard
             material["kl_batches"] = [d.preprocessing_batch_size, d.preprocessing_num_workers]
         return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -113,7 +106,7 @@ def _sample_indices(n: int, target: int, seed: int) -> list[int]:
 def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> Any:
     d = plan.cfg.data
     raw = registry.load_raw(attr, d.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
-    formats.check_columns(attr, raw.column_names, plan.stage)
+    _check_columns(plan, attr, raw.column_names)
     row_numbers = None
     if attr.num_samples:
         row_numbers = _sample_indices(len(raw), attr.num_samples, plan.cfg.train.seed)
@@ -129,14 +122,14 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     if plan.chat is not None:
         fn_kwargs["chat"] = plan.chat
     encoded = raw.map(
-        ENCODE_FUNCTIONS[plan.encoder],
+        plan.encoder.function,
         batched=True,
         with_indices=True,
         batch_size=d.preprocessing_batch_size,
         num_proc=d.preprocessing_num_workers,
         remove_columns=raw.column_names,
         fn_kwargs=fn_kwargs,
-        features=_encoded_features(plan),
+        features=plan.encoder.features(),
         new_fingerprint=plan.fingerprint(attr.name, "encode"),
         load_from_cache_file=False,
         desc=f"encoding {attr.name}",
@@ -178,10 +171,9 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     return kept
 
 
-def _encoded_features(plan: _Plan) -> Any:
-    if plan.encoder in encode.PREFERENCE_ENCODERS:
-        return encode_pref.encoded_features(plan.encoder)
-    return encode.encoded_features(plan.stage)
+def _check_columns(plan: _Plan, attr: DatasetAttr, column_names: list[str]) -> None:
+    formats.check_columns(attr, column_names, plan.stage, documents=plan.encoder.documents,
+                          needs_response=plan.encoder.needs_response)
 
 
 def _mix(plan: _Plan, parts: list[Any]) -> Any:
@@ -219,7 +211,7 @@ def _split_eval(plan: _Plan, train: Any) -> tuple[Any, Any]:
 
 
 def _rows(plan: _Plan, samples: Any, split: str) -> Any:
-    """Samples -> training rows: pt chunks documents; sft packs samples when packing is on."""
+    """Samples -> training rows: documents (pt) are chunked into rows; samples are packed when packing is on."""
     if samples is None:
         return None
     d = plan.cfg.data
@@ -228,22 +220,21 @@ def _rows(plan: _Plan, samples: Any, split: str) -> Any:
         "batch_size": d.preprocessing_batch_size,
         "fingerprint": plan.fingerprint(split, "rows"),
     }
-    if plan.stage == "pt":
+    if plan.encoder.documents:
         return packing.chunk_documents(samples, d.cutoff_len, packed=plan.packing, **kw)
     if plan.packing:
         return packing.pack_samples(samples, d.cutoff_len, **kw)
     return samples
 
 
-def _token_counts(ds: Any) -> dict[str, int]:
+def _token_counts(ds: Any, prefixes: tuple[str, ...]) -> dict[str, int]:
     """Rows, tokens and supervised tokens (labels the loss uses: every label but each sequence's first).
 
-    Preference rows hold several sequences (chosen_ / rejected_, or the answer and kl_): all are counted,
-    as the model runs on all of them.
+    prefixes: the encoder's sequence column prefixes. Preference rows hold several sequences (chosen_ /
+    rejected_, or the answer and kl_): all are counted, as the model runs on all of them.
     """
     import pyarrow.compute as pc
 
-    prefixes = [p for p in ("", "chosen_", "rejected_", "kl_") if f"{p}input_ids" in ds.column_names]
     rows = tokens = supervised = 0
     for table in ds.with_format("arrow").iter(batch_size=10_000):
         rows += table.num_rows
@@ -287,7 +278,7 @@ def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     splits = {"train": _rows(plan, train, "train"), "eval": _rows(plan, evaluation, "eval")}
     for name, ds in splits.items():
         if ds is not None:
-            counts = _token_counts(ds)
+            counts = _token_counts(ds, plan.encoder.sequences)
             stats[f"{name}_rows"], stats[f"{name}_tokens"] = counts["rows"], counts["tokens"]
             stats[f"{name}_supervised_tokens"] = counts["supervised_tokens"]
     stats["samples"] = stats["train_samples"]
@@ -353,7 +344,7 @@ def mark_supervised(tokenizer: Any, input_ids: list[int], labels: list[int]) -> 
 
 def _preview_head(plan: _Plan, attr: DatasetAttr, count: int) -> tuple[dict[str, list], list[int]]:
     raw = registry.load_raw(attr, plan.cfg.data.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
-    formats.check_columns(attr, raw.column_names, plan.stage)
+    _check_columns(plan, attr, raw.column_names)
     head = raw.select(range(min(len(raw), max(4 * count, 16))))[:]
     return head, list(range(len(head[raw.column_names[0]])))
 
@@ -364,8 +355,8 @@ def _preview_texts(plan: _Plan, attr: DatasetAttr, count: int) -> list[str]:
 
     head, indices = _preview_head(plan, attr, count)
     tok = plan.tokenizer
-    if plan.encoder == "pretrain":
-        enc = encode.encode_pretrain(head, indices, tokenizer=tok, attr=attr, settings=plan.settings)
+    if plan.encoder.documents:
+        enc = plan.encoder.function(head, indices, tokenizer=tok, attr=attr, settings=plan.settings)
         docs = [ids for ids, s in zip(enc["input_ids"], enc["_status"], strict=True) if s in encode.KEPT]
         pieces = packing.sequential_pieces(
             [len(x) for x in docs], plan.cfg.data.cutoff_len, across_documents=plan.packing
@@ -378,20 +369,13 @@ def _preview_texts(plan: _Plan, attr: DatasetAttr, count: int) -> list[str]:
         return [
             mark_supervised(tok, i, lab) for i, lab in zip(rows["input_ids"], rows["labels"], strict=True)
         ]
-    enc = ENCODE_FUNCTIONS[plan.encoder](
-        head, indices, tokenizer=tok, chat=plan.chat, attr=attr, settings=plan.settings
-    )
+    enc = plan.encoder.function(head, indices, tokenizer=tok, chat=plan.chat, attr=attr, settings=plan.settings)
     kept = [i for i, s in enumerate(enc["_status"]) if s in encode.KEPT][:count]
 
     def marked(prefix: str, i: int) -> str:
         return mark_supervised(tok, enc[f"{prefix}input_ids"][i], enc[f"{prefix}labels"][i])
 
-    if plan.encoder == "pairwise":
-        return [f"[chosen]\n{marked('chosen_', i)}\n[rejected]\n{marked('rejected_', i)}" for i in kept]
-    if plan.encoder == "feedback":
-        tags = {1: "[kto_tag: true (desirable)]", 0: "[kto_tag: false (undesirable)]"}
-        return [f"{tags[enc['kto_tag'][i]]}\n{marked('', i)}" for i in kept]
-    return [marked("", i) for i in kept]
+    return [plan.encoder.show(marked, enc, i) for i in kept]
 
 
 def preview(cfg: Any, tokenizer: Any, n: int = 3) -> list[str]:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from tuneforge.errors import ConfigError, DataError
+from tuneforge.stages import stage_of, stages_where, words
 
 logger = logging.getLogger(__name__)
 
-LOSS_STAGES = ("pt", "sft")
 RESULTS_FILE = "eval_results.json"
 
 
@@ -37,7 +37,7 @@ def token_loss(model: torch.nn.Module, rows: Any, collator: Any, batch_size: int
     for start in range(0, len(order), batch_size):
         batch = collator([rows[i] for i in order[start : start + batch_size]])
         units += lm_objective.count(batch)
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = batch.to(device)
         loss_sum += float(lm_objective(model, batch).loss_sum)
     return loss_sum, units
 
@@ -48,14 +48,14 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
 
     from tuneforge.data.collate import Collator
     from tuneforge.model.inference import load_inference_model
-    from tuneforge.workflow import prepare_data
+    from tuneforge.workflow import batch_layout, prepare_data
 
     d = cfg.data
-    if cfg.method.stage not in LOSS_STAGES:
+    if not stage_of(cfg.method.stage).perplexity:
         raise ConfigError(
-            f"{cfg.source}: tuneforge eval measures the language-model loss of stages pt and sft; stage "
-            f"{cfg.method.stage} has another objective (evaluate it with eval_strategy while training), "
-            f"or set stage: sft to measure the loss of the answers"
+            f"{cfg.source}: tuneforge eval measures the language-model loss of stages "
+            f"{words(stages_where(lambda s: s.perplexity))}; stage {cfg.method.stage} has another objective "
+            f"(evaluate it with eval_strategy while training), or set stage: sft to measure the loss of the answers"
         )
     if not (d.dataset or d.eval_dataset or d.tokenized_path):
         raise ConfigError(f"{cfg.source}: set eval_dataset (or dataset) to the data to measure the loss on, "
@@ -66,7 +66,7 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
         raise DataError(f"{cfg.source}: no evaluation rows; check eval_dataset / dataset and max_samples")
     logger.info("loss on %s: %d rows", which, len(rows))
     model = load_inference_model(cfg, value_head=False)
-    collator = Collator(tokenizer.pad_token_id)
+    collator = Collator(tokenizer.pad_token_id, batch_layout(cfg, splits))  # padded, packed as the data is
     started = time.perf_counter()
     loss_sum, units = token_loss(model, rows, collator, cfg.train.per_device_eval_batch_size)
     runtime = time.perf_counter() - started

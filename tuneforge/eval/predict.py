@@ -56,7 +56,7 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any) -> tuple[list[Sample],
             raise DataError(f"dataset '{attr.name}' is a {attr.kind} dataset; predict_with_generate answers "
                             f"the prompts of a plain (sft) dataset")
         raw = registry.load_raw(attr, d.dataset_dir, cache_dir=cfg.model.cache_dir)
-        formats.check_columns(attr, raw.column_names, "sft")
+        formats.check_columns(attr, raw.column_names, "sft", needs_response=True)
         if d.max_samples and len(raw) > d.max_samples:
             raw = raw.select(range(d.max_samples))
         for i, row in enumerate(raw):

@@ -86,3 +86,18 @@ def supports_padding_free(model: torch.nn.Module) -> bool:
     position ids and cu_seq_lens to the kernel), so a flattened batch keeps its samples apart."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return bool(getattr(base, "_supports_attention_backend", False))
+
+
+def runs_shared_prefix(model: torch.nn.Module) -> bool:
+    """True when the model runs PACKED_SDPA (which reads `shared_prefix`) and has no sliding-window layers,
+    so a preference pair's two sequences can share one forward of their prompt."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return config._attn_implementation == PACKED_SDPA and not sliding
+
+
+def batch_layouts(model: torch.nn.Module) -> tuple[bool, bool]:
+    """(flat, shared_prefix): whether the loaded model keeps the samples of a flattened (padding-free) batch
+    apart, and whether it can run shared-prompt rows. The workflow asks this once and puts the answer in the
+    batch layout; nothing reads the model's attention settings again."""
+    return supports_padding_free(model), runs_shared_prefix(model)

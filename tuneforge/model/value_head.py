@@ -22,13 +22,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tuneforge.batch import Batch
 from tuneforge.errors import ModelError
-from tuneforge.model.attention import VARLEN_KEYS
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_HEAD_KEYS = ("v_head.weight", "v_head.bias")
-# the batch keys the decoder reads (the rest of a preference batch is for the objective)
-DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids", *VARLEN_KEYS)
 
 
 def hidden_size(config: Any) -> int:
@@ -91,10 +89,9 @@ class ValueHeadModel(torch.nn.Module):
         with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
             return self.v_head(hidden.float()).squeeze(-1)
 
-    def score(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def score(self, batch: Batch) -> torch.Tensor:
         """(S,) fp32 scores of a collated batch (padded or padding-free) that carries sequence_ends."""
-        inputs = {k: batch[k] for k in DECODER_INPUTS if k in batch}
-        return self(**inputs, sequence_ends=batch["sequence_ends"])
+        return self(**batch.model_inputs, sequence_ends=batch.targets["sequence_ends"])
 
     def value_head_state(self) -> dict[str, torch.Tensor]:
         return {

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tuneforge.batch import Batch
 from tuneforge.train.objectives import reference_logps
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def compute(
     dataset: Any,
     reference: Any,
     policy: torch.nn.Module,
-    collator: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    collator: Callable[[list[dict[str, Any]]], Batch],
     *,
     batch_size: int,
     device: torch.device,
@@ -49,7 +50,7 @@ def compute(
     out = torch.empty((len(dataset), 2), dtype=torch.float32)
     for start in range(0, len(dataset), batch_size):
         rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collator(rows).items()}
+        batch = collator(rows).to(device)
         with autocast():
             values = reference_logps(reference, policy, batch).float().cpu()
         n = len(rows)

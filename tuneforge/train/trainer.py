@@ -85,19 +85,6 @@ def eval_batches(
     return batches + [(filler, False)] * (most - len(batches))
 
 
-def count_tokens(rows: list[Mapping[str, Any]]) -> int:
-    """Non-padding tokens of uncollated rows: every *input_ids column (its *attention_mask sum when present).
-
-    Counted before collation, so padding and packing (rows without attention_mask) cannot inflate it."""
-    total = 0
-    for row in rows:
-        for key, ids in row.items():
-            if key.endswith("input_ids"):
-                mask = row.get(key[: -len("input_ids")] + "attention_mask")
-                total += int(sum(mask)) if mask is not None else len(ids)
-    return total
-
-
 def cpu_has_native_bf16() -> bool:
     """True when oneDNN runs bf16 matrix products natively on this CPU (avx512_bf16 or AMX)."""
     try:
@@ -271,7 +258,7 @@ class Trainer:
         rows = [[self.train_dataset[i] for i in indices] for indices in group]
         batches = [self.collator(micro_batch_rows) for micro_batch_rows in rows]
         units, tokens = all_reduce_sum(
-            [sum(self.objective.count(b) for b in batches), sum(count_tokens(r) for r in rows)], self.device
+            [sum(self.objective.count(b) for b in batches), sum(b.num_tokens for b in batches)], self.device
         )
         # DDP averages gradients over ranks; multiplying by world_size turns that average into the global sum
         scale = self.world_size / max(units, 1)
@@ -295,7 +282,7 @@ class Trainer:
             add_into(metrics, out.metrics)
             add_into(counts, out.counts)
         step = self.state.global_step + 1
-        samples = sum(len(r) for r in rows)
+        samples = sum(b.num_rows for b in batches)
         # the step's loss, metrics and samples over all ranks (every rank's objective emits the same keys)
         keys, count_keys = sorted(metrics), sorted(counts)
         reduced = all_reduce_sum(
@@ -344,9 +331,7 @@ class Trainer:
         return norm
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
-        }
+        return batch.to(self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast_context(self.cfg.train, self.device)

@@ -6,22 +6,23 @@ normalizes by: a supervised token for pt / sft, a chosen/rejected pair for rm / 
 up (over all micro-batches and all ranks) and back-propagates `loss_sum / total_units`, so gradient
 accumulation and data parallelism give the loss of the whole batch.
 
-Later stages plug in as objects with the same two methods (a DPO objective holds its reference model,
-a reward objective reads the value head); the loop does not change.
+Objectives take a tuneforge.batch.Batch and pass its model_inputs to the model as they are. A stage's row
+(tuneforge/stages.py) names its objective in the registry below (register_objective); the loop does not
+change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from tuneforge.batch import Batch  # the batch contract every objective takes
+
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
-
-Batch = Mapping[str, torch.Tensor]
 
 
 @dataclass
@@ -70,26 +71,45 @@ from tuneforge.train.objectives.reward import RewardObjective  # noqa: E402
 
 lm_objective = LMObjective()
 
+# name -> factory(cfg, *, reference=None, generate=None) -> Objective. A stage's row (tuneforge/stages.py)
+# names its objective. reference: the frozen reference (AdapterReference / ModelReference) when the stage
+# uses one, else None. generate: a callable the workflow hands RL objectives to sample completions with
+# (None for the objectives here, which do not generate).
+ObjectiveFactory = Callable[..., Objective]
+OBJECTIVES: dict[str, ObjectiveFactory] = {}
 
-def build_objective(cfg: RunConfig, reference: Reference | None = None) -> Objective:
-    """The objective of cfg.method.stage (pt / sft: lm_objective). reference: the dpo / kto reference
-    (AdapterReference, ModelReference), unused when the batches carry precomputed ref_logps."""
+
+def register_objective(name: str, factory: ObjectiveFactory, *, replace: bool = False) -> ObjectiveFactory:
+    """Make `factory` the objective a stage row names `name`; replace=True to redefine one."""
+    if name in OBJECTIVES and not replace:
+        raise ValueError(f"objective {name!r} is already registered")
+    OBJECTIVES[name] = factory
+    return factory
+
+
+def build_objective(cfg: RunConfig, reference: Reference | None = None, *, generate: Callable | None = None) -> Objective:
+    """The objective of cfg.method.stage, from the factory its stage row names. reference: the stage's
+    reference (unused when the batches carry precomputed ref_logps); generate: for objectives that sample."""
     from tuneforge.errors import ConfigError
+    from tuneforge.stages import STAGES
 
-    stage = cfg.method.stage
-    if stage in ("pt", "sft"):
-        return lm_objective
-    if stage == "rm":
-        return RewardObjective()
-    if stage == "dpo":
-        return PreferenceObjective.from_config(cfg, reference)
-    if stage == "kto":
-        return KTOObjective.from_config(cfg, reference)
-    raise ConfigError(f"stage {stage} has no training objective yet")
+    stage = STAGES.get(cfg.method.stage)
+    if stage is None or stage.objective is None:
+        raise ConfigError(f"stage {cfg.method.stage} has no training objective yet")
+    if stage.objective not in OBJECTIVES:
+        raise ConfigError(f"stage {stage.name} names objective {stage.objective!r}, which is not registered; "
+                          f"registered: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[stage.objective](cfg, reference=reference, generate=generate)
+
+
+register_objective("lm", lambda cfg, reference=None, generate=None: lm_objective)
+register_objective("reward", lambda cfg, reference=None, generate=None: RewardObjective())
+register_objective("preference", lambda cfg, reference=None, generate=None: PreferenceObjective.from_config(cfg, reference))
+register_objective("kto", lambda cfg, reference=None, generate=None: KTOObjective.from_config(cfg, reference))
 
 
 __all__ = [
-    "AdapterReference", "Batch", "KTOObjective", "LMObjective", "ModelReference", "Objective",
-    "ObjectiveOutput", "PreferenceObjective", "Reference", "RewardObjective", "build_objective",
-    "lm_objective", "reference_logps",
+    "OBJECTIVES", "AdapterReference", "Batch", "KTOObjective", "LMObjective", "ModelReference", "Objective",
+    "ObjectiveFactory", "ObjectiveOutput", "PreferenceObjective", "Reference", "RewardObjective", "build_objective",
+    "lm_objective", "reference_logps", "register_objective",
 ]

@@ -17,13 +17,14 @@ is emitted for every batch, zero when it has no sample of a kind, since ranks al
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
+from tuneforge.stages import preference_problem
 from tuneforge.train.objectives import ObjectiveOutput
 from tuneforge.train.objectives.logps import num_sequences, sequence_logps
 from tuneforge.train.objectives.losses import kto_kl_estimate, kto_loss
@@ -56,13 +57,11 @@ class KTOObjective:
         head: str = "auto",
         chunk_tokens: int | None = None,
     ) -> None:
-        if pref_beta <= 0:
-            raise ConfigError(f"pref_beta must be > 0 (got {pref_beta})")
-        if kto_chosen_weight < 0 or kto_rejected_weight < 0:
-            raise ConfigError(
-                f"kto_chosen_weight and kto_rejected_weight must be >= 0 "
-                f"(got {kto_chosen_weight}, {kto_rejected_weight})"
-            )
+        # config validation has checked these (stages.preference_problem); this catches a direct call
+        problem = preference_problem(pref_beta=pref_beta, kto_chosen_weight=kto_chosen_weight,
+                                     kto_rejected_weight=kto_rejected_weight)
+        if problem:
+            raise ConfigError(problem)
         self.pref_beta = pref_beta
         self.kto_chosen_weight, self.kto_rejected_weight = kto_chosen_weight, kto_rejected_weight
         self.reference = reference
@@ -77,7 +76,7 @@ class KTOObjective:
             reference=reference,
         )
 
-    def count(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def count(self, batch: Batch) -> int:
         return num_sequences(batch) // 2
 
     def kl_estimate(self, kl_log_ratios: torch.Tensor, training: bool) -> torch.Tensor:
@@ -87,11 +86,11 @@ class KTOObjective:
             totals = summed_over_ranks(totals)
         return kto_kl_estimate(totals[0], float(totals[1]))
 
-    def __call__(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> ObjectiveOutput:
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
         policy = sequence_logps(model, batch, head=self.head, chunk_tokens=self.chunk_tokens).logps
         ref = batch_reference_logps(self.reference, model, batch, "stage kto")
         samples = num_sequences(batch) // 2
-        desirable = batch["kto_tags"].to(policy.device).bool()
+        desirable = batch.targets["kto_tags"].to(policy.device).bool()
         z = self.kl_estimate(policy[samples:] - ref[samples:], model.training)
         losses, rewards = kto_loss(
             policy[:samples], ref[:samples], z, desirable,

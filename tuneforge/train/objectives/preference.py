@@ -1,4 +1,5 @@
-"""The dpo stage's objective: DPO (sigmoid), hinge, IPO, ORPO and SimPO on pairwise batches.
+"""The dpo stage's objective: one of the preference losses of tuneforge/stages.py's PREF_LOSSES table (DPO
+(sigmoid), hinge, IPO, ORPO, SimPO, or a registered one) on pairwise batches.
 
 A collated pairwise batch holds S = 2B sequences, chosen_0 … chosen_{B-1} then rejected_0 … rejected_{B-1},
 all run through the model in one forward pass. The unit is a pair: count(batch) = S // 2, loss_sum = the
@@ -14,29 +15,20 @@ log-probs the loss reads: summed for sigmoid / hinge, per-token averages for ipo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tuneforge.config.schema import PREF_LOSSES, REFERENCE_FREE_LOSSES
+from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
+from tuneforge.stages import PREF_LOSSES, preference_problem
 from tuneforge.train.objectives import ObjectiveOutput
 from tuneforge.train.objectives.logps import num_sequences, sequence_logps
-from tuneforge.train.objectives.losses import (
-    PairLosses,
-    dpo_hinge_loss,
-    dpo_sigmoid_loss,
-    ipo_loss,
-    orpo_loss,
-    simpo_loss,
-)
+from tuneforge.train.objectives.losses import PairLosses
 from tuneforge.train.objectives.reference import Reference, batch_reference_logps
 
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
-
-LENGTH_NORMALIZED = ("ipo", "orpo", "simpo")
 
 
 def pair_metrics(result: PairLosses, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> dict:
@@ -53,7 +45,7 @@ def pair_metrics(result: PairLosses, chosen_logps: torch.Tensor, rejected_logps:
 
 
 class PreferenceObjective:
-    """pref_loss sigmoid | hinge | ipo | orpo | simpo on pairwise batches; the unit is a pair."""
+    """A pref_loss of the PREF_LOSSES table on pairwise batches; the unit is a pair."""
 
     name = "dpo"
     reports_perplexity = False
@@ -68,30 +60,35 @@ class PreferenceObjective:
         reference: Reference | None = None,
         head: str = "auto",
         chunk_tokens: int | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         """pref_ftx adds pref_ftx × NLL(chosen) (the chosen completion's mean per-token negative log-likelihood)
         to every pair's loss, whatever the pref_loss. reference: needed (unless the batches carry ref_logps)
-        for sigmoid / hinge / ipo; orpo / simpo ignore it. head, chunk_tokens: as in logps.sequence_logps."""
-        if pref_loss not in PREF_LOSSES:
-            raise ConfigError(f"pref_loss '{pref_loss}' is not one of {', '.join(PREF_LOSSES)}")
-        if pref_beta <= 0:
-            raise ConfigError(f"pref_beta must be > 0 (got {pref_beta})")
-        if pref_ftx < 0:
-            raise ConfigError(f"pref_ftx must be >= 0 (got {pref_ftx})")
-        if not 0 <= dpo_label_smoothing < 0.5:
-            raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5) (got {dpo_label_smoothing})")
-        if dpo_label_smoothing and pref_loss != "sigmoid":
-            raise ConfigError(
-                f"dpo_label_smoothing applies to pref_loss sigmoid only, not {pref_loss}; set it to 0"
-            )
+        for the losses that need one; the others ignore it. head, chunk_tokens: as in logps.sequence_logps.
+        options: values of further config keys a registered loss takes (its row's `options`).
+
+        Config validation has checked these values (stages.preference_problem); checking them again here
+        only catches a direct call with bad values."""
+        problem = preference_problem(pref_loss=pref_loss, pref_beta=pref_beta, pref_ftx=pref_ftx,
+                                     simpo_gamma=simpo_gamma, dpo_label_smoothing=dpo_label_smoothing)
+        if problem:
+            raise ConfigError(problem)
         self.pref_loss, self.pref_beta, self.pref_ftx = pref_loss, pref_beta, pref_ftx
         self.simpo_gamma, self.dpo_label_smoothing = simpo_gamma, dpo_label_smoothing
-        self.reference = None if pref_loss in REFERENCE_FREE_LOSSES else reference
+        self.loss = PREF_LOSSES[pref_loss]
+        settings = {"dpo_label_smoothing": dpo_label_smoothing, "simpo_gamma": simpo_gamma, **(options or {})}
+        missing = [key for key in self.loss.options if key not in settings]
+        if missing:
+            raise ConfigError(f"pref_loss {pref_loss} takes {', '.join(missing)}, which were not given")
+        self.loss_options = {keyword: settings[key] for key, keyword in self.loss.options.items()}
+        self.reference = reference if self.loss.needs_reference else None
         self.head, self.chunk_tokens = head, chunk_tokens
 
     @classmethod
     def from_config(cls, cfg: RunConfig, reference: Reference | None = None) -> PreferenceObjective:
+        keys = cfg.to_dict()
         return cls(
+            options={key: keys[key] for key in PREF_LOSSES[cfg.method.pref_loss].options},
             pref_loss=cfg.method.pref_loss,
             pref_beta=cfg.method.pref_beta,
             pref_ftx=cfg.method.pref_ftx,
@@ -102,32 +99,26 @@ class PreferenceObjective:
 
     @property
     def needs_reference(self) -> bool:
-        return self.pref_loss not in REFERENCE_FREE_LOSSES
+        return self.loss.needs_reference
 
-    def count(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def count(self, batch: Batch) -> int:
         return num_sequences(batch) // 2
 
-    def __call__(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> ObjectiveOutput:
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
         policy = sequence_logps(model, batch, head=self.head, chunk_tokens=self.chunk_tokens)
         pairs = num_sequences(batch) // 2
         averages = policy.average()
         ref = batch_reference_logps(self.reference, model, batch, "stage dpo") if self.needs_reference else None
-        normalized = self.pref_loss in LENGTH_NORMALIZED
+        normalized = self.loss.length_normalized
         logps = averages if normalized else policy.logps
         chosen, rejected = logps[:pairs], logps[pairs:]
-        if self.pref_loss == "sigmoid":
-            result = dpo_sigmoid_loss(
-                chosen, rejected, ref[:pairs], ref[pairs:], self.pref_beta, self.dpo_label_smoothing
-            )
-        elif self.pref_loss == "hinge":
-            result = dpo_hinge_loss(chosen, rejected, ref[:pairs], ref[pairs:], self.pref_beta)
-        elif self.pref_loss == "ipo":
-            ref_averages = ref / policy.counts.clamp(min=1.0)  # same tokens, same counts as the policy
-            result = ipo_loss(chosen, rejected, ref_averages[:pairs], ref_averages[pairs:], self.pref_beta)
-        elif self.pref_loss == "orpo":
-            result = orpo_loss(chosen, rejected, self.pref_beta)
+        function = self.loss.resolve()
+        if ref is not None:
+            if normalized:
+                ref = ref / policy.counts.clamp(min=1.0)  # same tokens, same counts as the policy
+            result = function(chosen, rejected, ref[:pairs], ref[pairs:], self.pref_beta, **self.loss_options)
         else:
-            result = simpo_loss(chosen, rejected, self.pref_beta, self.simpo_gamma)
+            result = function(chosen, rejected, self.pref_beta, **self.loss_options)
         losses = result.losses
         if self.pref_ftx > 0:
             losses = losses - self.pref_ftx * averages[:pairs]  # + ftx · NLL(chosen)

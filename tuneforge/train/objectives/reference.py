@@ -14,18 +14,19 @@ the precompute step calls `reference_logps`, the same code the objectives run on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
 from tuneforge.train.objectives.logps import sequence_logps
 
 
 @runtime_checkable
 class Reference(Protocol):
-    def logps(self, policy_model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """(S,) fp32 summed log-probs of each sequence's supervised tokens under the reference."""
         ...
 
@@ -47,7 +48,7 @@ class AdapterReference:
     def __init__(self, head: str = "auto", chunk_tokens: int | None = None) -> None:
         self.head, self.chunk_tokens = head, chunk_tokens
 
-    def logps(self, policy_model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         if not hasattr(policy_model, "disable_adapter"):
             raise ConfigError(
                 f"the reference is the policy without its adapters, but {type(policy_model).__name__} has "
@@ -68,14 +69,14 @@ class ModelReference:
         self.model.eval()
         self.head, self.chunk_tokens = head, chunk_tokens
 
-    def logps(self, policy_model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         with torch.no_grad(), eval_mode(self.model):
             out = sequence_logps(self.model, batch, head=self.head, chunk_tokens=self.chunk_tokens)
         return out.logps.detach()
 
 
 def reference_logps(
-    reference: Reference, policy_model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    reference: Reference, policy_model: torch.nn.Module, batch: Batch
 ) -> torch.Tensor:
     """One collated micro-batch -> (S,) fp32 reference log-probs, in the batch's sequence order.
 
@@ -84,10 +85,10 @@ def reference_logps(
 
 
 def batch_reference_logps(
-    reference: Reference | None, policy_model: torch.nn.Module, batch: Mapping[str, torch.Tensor], stage: str
+    reference: Reference | None, policy_model: torch.nn.Module, batch: Batch, stage: str
 ) -> torch.Tensor:
     """The batch's precomputed `ref_logps` when it has them, else the reference's, on the fly."""
-    precomputed = batch.get("ref_logps")
+    precomputed = batch.targets.get("ref_logps")
     if precomputed is not None:
         return precomputed.float()
     if reference is None:

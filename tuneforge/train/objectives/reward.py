@@ -1,7 +1,7 @@
 """The rm stage's objective: a pairwise (Bradley–Terry) loss on the value head's scores.
 
 The model is a tuneforge.model.value_head.ValueHeadModel (called, not imported: train does not import
-model). Called with a batch's model inputs and `sequence_ends`, it returns one fp32 score per sequence:
+model). Called with a batch's model_inputs and its `sequence_ends` target, it returns one fp32 score per sequence:
 the value head at the sequence's last token. Chosen and rejected go through it in one forward pass
 (S = 2B sequences, chosen first). The unit is a pair: count(batch) = S // 2.
 
@@ -11,12 +11,10 @@ scores r_c, r_r), rewards/margins (r_c − r_r), rewards/accuracies (r_c > r_r).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
+from tuneforge.batch import Batch
 from tuneforge.train.objectives import ObjectiveOutput
-from tuneforge.train.objectives.lm import MODEL_INPUTS
 from tuneforge.train.objectives.logps import num_sequences
 from tuneforge.train.objectives.losses import pairwise_reward_loss
 
@@ -27,12 +25,11 @@ class RewardObjective:
     name = "rm"
     reports_perplexity = False
 
-    def count(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def count(self, batch: Batch) -> int:
         return num_sequences(batch) // 2
 
-    def __call__(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> ObjectiveOutput:
-        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        scores = model(**inputs, sequence_ends=batch["sequence_ends"]).float()
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
+        scores = model(**batch.model_inputs, sequence_ends=batch.targets["sequence_ends"]).float()
         pairs = num_sequences(batch) // 2
         chosen, rejected = scores[:pairs], scores[pairs:]
         losses = pairwise_reward_loss(chosen, rejected)
