@@ -86,6 +86,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
+    from tuneforge.train.strategy import build_strategy
 
     stage = STAGES[cfg.method.stage]
     seed_everything(cfg.train.seed)
@@ -104,15 +105,16 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     if cfg.method.stage == "rm":
         model = ValueHeadModel(model)
     collator = Collator(tokenizer.pad_token_id, padding_free=padding_free, share_prompts=shares_prompts(model))
+    strategy = build_strategy(cfg, model)  # local / DDP, FSDP2 or DeepSpeed (nothing wrapped yet)
     train_rows, eval_rows, reference = splits.train, splits.eval, None
     if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
         # the objective reads the reference columns; a reference model, if one was loaded, is freed here
         train_rows, eval_rows = precompute_reference(cfg, splits, model, collator)
         gc.collect()
     elif uses_reference(cfg):
-        reference = build_reference(cfg)
+        reference = strategy.place_reference(build_reference(cfg))  # FSDP shards it, ZeRO-3 partitions it
     objective = build_objective(cfg, reference)
-    trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective)
+    trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
     results = trainer.train()
     if ask:
         results["answers"] = {"question": ask, "before": before, "after": ask_model(cfg, model, tokenizer, ask)}
