@@ -146,7 +146,10 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
         device = next(model.parameters()).device
         ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        kwargs = {**configured, "use_cache": True, **overrides}
+        kwargs = {**configured, "use_cache": True}
+        if overrides.get("do_sample") is False:  # greedy: no sampling settings (transformers warns of them)
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        kwargs.update(overrides)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             kwargs.setdefault("synced_gpus", torch.distributed.get_world_size() > 1)
         was_training = model.training
