@@ -132,7 +132,7 @@ def test_completion_generator_stops_and_strips(tiny_model_dir, tokenizer, tmp_pa
 
 # ---- two processes (gloo) train what one process trains ----------------------------------------------------
 
-def _two_process_worker(rank: int, init_file: str, model_dir: str, out: str, tokenizer_dir: str) -> None:
+def _two_process_worker(rank: int, init_file: str, model_dir: str, out: str, tokenizer_dir: str, keys: dict) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -140,28 +140,35 @@ def _two_process_worker(rank: int, init_file: str, model_dir: str, out: str, tok
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        cfg = sgd_cfg(out, model_dir, per_device_train_batch_size=1)
+        cfg = sgd_cfg(out, model_dir, per_device_train_batch_size=1, **keys)
         model = load_model(model_dir)
         before = trainable_state(model)
         objective = RolloutObjective(completion_generator(cfg, tokenizer))
         trainer = Trainer(cfg, model, tokenizer, prompts_dataset(), None, collate_prompts, objective=objective)
         trainer.train()
-        if rank == 0:
-            step = {n: before[n] - p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        if rank == 0:  # the final save's weights: under FSDP the model's own parameters are this rank's shards
+            from safetensors.torch import load_file
+
+            after = load_file(os.path.join(out, "model.safetensors"))
+            step = {n: before[n] - after[n] for n in before if n in after}
             torch.save({"step": step, "loss": trainer.state.log_history[0]["loss"]}, os.path.join(out, "step.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_processes_equal_one(tmp_path, tiny_model_dir, tokenizer, smol_dir):
+@pytest.mark.parametrize("keys", [{}, {"fsdp": "full_shard"}], ids=["ddp", "fsdp"])
+def test_two_processes_equal_one(tmp_path, tiny_model_dir, tokenizer, smol_dir, keys):
+    """DDP: prepare generates with the plain model beside the wrapper; FSDP2: inside weights_usable (the root's
+    weights gathered, each layer gathering its own as it runs), before the first forward made the step the root."""
     import torch.multiprocessing as mp
 
     full, full_loss, _ = one_step(tmp_path, tiny_model_dir, tokenizer, "one", per_device_train_batch_size=2)
     out = tmp_path / "two"
     out.mkdir()
-    mp.spawn(_two_process_worker, args=(str(tmp_path / "init"), str(tiny_model_dir), str(out), str(smol_dir)),
+    mp.spawn(_two_process_worker, args=(str(tmp_path / "init"), str(tiny_model_dir), str(out), str(smol_dir), keys),
              nprocs=2, join=True)
     two = torch.load(out / "step.pt")
     assert two["loss"] == pytest.approx(full_loss, rel=1e-5)
-    for name in full:
+    assert len(two["step"]) >= len(full) - 1  # every weight but a tied head
+    for name in two["step"]:
         torch.testing.assert_close(two["step"][name], full[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -427,7 +427,8 @@ class PlotsCallback(Callback):
 
 class StopRequests(Callback):
     """SIGINT / SIGTERM, or output_dir/STOP: stop after the current optimizer step (the trainer saves a checkpoint
-    there and writes its results with status "stopped"). A second signal stops at once, as without this hook.
+    there and writes its results with status "stopped"). The same signal a second time stops at once, as without
+    this hook (a different one is ignored: torchrun sends SIGTERM to workers that a Ctrl-C already reached).
 
     install() puts the signal handlers in place (in the main thread only; elsewhere, e.g. in a Ray worker's
     thread, only the stop file works) and restore() puts the previous ones back."""
@@ -452,11 +453,14 @@ class StopRequests(Callback):
         self.previous = {}
 
     def _handle(self, number: int, frame: Any) -> None:
-        if self.received is not None:  # asked twice: stop now, as the previous handler would
+        name = signal.Signals(number).name
+        if self.received == name:  # the same signal twice (Ctrl-C twice): stop now, as the previous handler would
             self.restore()
             signal.raise_signal(number)
             return
-        self.received = signal.Signals(number).name
+        if self.received is not None:  # another one: torchrun answers a Ctrl-C with SIGTERM to its workers
+            return
+        self.received = name
         logger.warning("%s received: stopping after this optimizer step, with a checkpoint (send it again to "
                        "stop at once, without one)", self.received)
 

@@ -6,6 +6,15 @@ tokens for lm) counted and summed over all ranks, and each micro-batch back-prop
 loss_sum / total_units. The step's gradient is therefore the gradient of the whole batch's mean loss,
 however it is split into micro-batches or ranks.
 
+Rollouts: an objective may define `prepare(model, batch) -> batch`. The trainer calls it for every micro-batch
+of the step (and of an evaluation) after collation and the move to the device, under no_grad, with the plain
+model inside the strategy's `weights_usable()` context (outside DDP / FSDP / DeepSpeed's wrapper), and counts the
+units only after all of them: a unit known only after generation (a generated token) normalizes exactly too.
+
+How it runs on one or many processes is the Strategy's business (train/strategy.py); the run hooks (progress,
+trainer_log.jsonl, reporters, plots, stop requests) are callbacks (train/callbacks.py). A stop request (SIGINT /
+SIGTERM, output_dir/STOP) ends the run after the current optimizer step with a checkpoint, status "stopped".
+
 Data order is a pure function of (seed, epoch), so resuming skips the consumed micro-batches of the current
 epoch without running them and continues with exactly the batches the uninterrupted run would have seen.
 """
