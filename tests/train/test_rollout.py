@@ -8,6 +8,7 @@ takes the lm objective's NLL of it, as a rejection-sampling / RL objective would
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def _two_process_worker(rank: int, init_file: str, model_dir: str, out: str, tok
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -156,10 +157,14 @@ def _two_process_worker(rank: int, init_file: str, model_dir: str, out: str, tok
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("keys", [{}, {"fsdp": "full_shard"}], ids=["ddp", "fsdp"])
+ZERO3 = str(Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_z3_config.json")
+
+
+@pytest.mark.parametrize("keys", [{}, {"fsdp": "full_shard"}, {"deepspeed": ZERO3}], ids=["ddp", "fsdp", "zero3"])
 def test_two_processes_equal_one(tmp_path, tiny_model_dir, tokenizer, smol_dir, keys):
     """DDP: prepare generates with the plain model beside the wrapper; FSDP2: inside weights_usable (the root's
-    weights gathered, each layer gathering its own as it runs), before the first forward made the step the root."""
+    weights gathered, each layer gathering its own as it runs), before the first forward made the step the root;
+    ZeRO-3: inside weights_usable (every partitioned weight gathered)."""
     import torch.multiprocessing as mp
 
     full, full_loss, _ = one_step(tmp_path, tiny_model_dir, tokenizer, "one", per_device_train_batch_size=2)
