@@ -192,3 +192,30 @@ def test_the_ranks_stop_at_the_same_step(tmp_path, tiny_model_dir):
         results = json.loads((out / f"rank{rank}.json").read_text())
         assert results["status"] == "stopped" and results["global_step"] == 2
     assert [p.name for p in checkpoints_in(out)] == ["checkpoint-2"]
+
+
+def test_stop_requests_the_same_signal_twice_stops_at_once_another_is_ignored(tmp_path):
+    from tuneforge.train.callbacks import StopRequests
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    requests = StopRequests(tmp_path)
+    requests.install()
+    try:
+        assert requests.should_stop() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert requests.should_stop() == "SIGTERM received"
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's answer to a Ctrl-C: ignored, the stop is under way
+        assert requests.should_stop() == "SIGTERM received"
+        requests.received = "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: at once, as Python's own handler does
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    finally:
+        requests.restore()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    requests = StopRequests(tmp_path)  # without signals: the stop file
+    (tmp_path / STOP_FILE).touch()
+    assert requests.should_stop() == f"{tmp_path / STOP_FILE} found"
+    requests.honoured()
+    assert not (tmp_path / STOP_FILE).exists()
