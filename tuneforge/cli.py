@@ -90,6 +90,10 @@ def cmd_train(args) -> int:
         for line in r.get("summary", []):
             print(line)
         return 0
+    if r.get("status") == "stopped":
+        print(f"\nstopped at step {r.get('global_step', '?')} of a planned run; checkpoint saved in {r['output_dir']}. "
+              f"Continue it with resume_from_checkpoint=true")
+        return 0
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
     if stage_of(cfg.method.stage).value_head:
         what += " and value head"

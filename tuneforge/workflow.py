@@ -153,6 +153,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
+    from tuneforge.train.strategy import build_strategy
 
     stage = stage_of(cfg.method.stage)
     seed_everything(cfg.train.seed)
@@ -169,19 +170,35 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     if stage.value_head:
         model = ValueHeadModel(model)
     collator = Collator(tokenizer.pad_token_id, layout)
+    strategy = build_strategy(cfg, model)  # local / DDP, FSDP2 or DeepSpeed (nothing wrapped yet)
     train_rows, eval_rows, reference = splits.train, splits.eval, None
     if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
         # the objective reads the reference columns; a reference model, if one was loaded, is freed here
         train_rows, eval_rows = precompute_reference(cfg, splits, model, collator)
         gc.collect()
     elif uses_reference(cfg):
-        reference = build_reference(cfg)
-    objective = build_objective(cfg, reference)
-    trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective)
+        reference = strategy.place_reference(build_reference(cfg))  # FSDP shards it, ZeRO-3 partitions it
+    objective = build_objective(cfg, reference, generate=rollout_generator(cfg, tokenizer))
+    trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
     results = trainer.train()
     if ask:
         results["answers"] = {"question": ask, "before": before, "after": ask_model(cfg, model, tokenizer, ask)}
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
+
+
+def rollout_generator(cfg: RunConfig, tokenizer):
+    """What an objective's prepare generates with (infer.generation.completion_generator: the stops and sampling
+    settings chat and eval use), built on its first call, so a stage that never samples never renders a template."""
+    built = []
+
+    def generate(model, prompts, **overrides):
+        if not built:
+            from tuneforge.infer.generation import completion_generator
+
+            built.append(completion_generator(cfg, tokenizer))
+        return built[0](model, prompts, **overrides)
+
+    return generate
 
 
 def ask_model(cfg: RunConfig, model, tokenizer, question: str) -> str:

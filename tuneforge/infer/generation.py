@@ -1,5 +1,6 @@
 """What generating text needs from the config and the chat template: the prompt tokens, where an answer
-stops, and the sampling settings. Shared by chat, the API server, eval and the quick-start question.
+stops, and the sampling settings. Shared by chat, the API server, eval, the quick-start question and the
+rollouts of training objectives (`completion_generator`, handed to them by the workflow).
 
 An answer stops at the chat template's end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `</s>`), found by
 rendering a one-turn conversation and reading what the template writes after the assistant's text; the
@@ -9,6 +10,7 @@ fine-tuned model that is only stopped at eos runs on past its answer.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,3 +112,60 @@ def answer(model: Any, tokenizer: Any, template: ChatTemplate, question: str, *,
     for s in stops.strings:
         text = text.split(s)[0]
     return text.strip()
+
+
+# generate(model, prompts, **overrides) -> one list of completion token ids per prompt (see completion_generator)
+GenerateCompletions = Callable[..., list[list[int]]]
+
+
+def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
+    """A function that generates completions of token-id prompts as chat and eval do: the same stop tokens (eos
+    and the chat template's end of turn) and sampling settings (the generate keys: do_sample, temperature,
+    top_p, top_k, num_beams, max_new_tokens, repetition_penalty, length_penalty).
+
+        generate(model, prompts, **overrides) -> list[list[int]]
+
+    model: the model to generate with (a training objective's prepare passes the model it was given; its
+    train / eval mode is restored afterwards). prompts: token-id lists (rendered with the chat template, e.g.
+    render_prompt), left-padded together into one batch. overrides: `model.generate` keywords that replace the
+    configured ones (max_new_tokens=..., do_sample=False, num_return_sequences=G: G completions per prompt,
+    one after the other). Returns the completions only (no prompt, no padding), each up to and including the
+    stop token that ended it (absent when it ran to max_new_tokens). In a run of several processes it generates
+    with synced_gpus (every rank keeps taking forwards until all have finished), so every rank must call it the
+    same number of times, as the trainer's prepare calls are."""
+    stops = end_of_turn(tokenizer, chat_template(cfg, tokenizer))
+    configured = generate_kwargs(cfg.generate, tokenizer, stops)
+    pad_id = configured["pad_token_id"]
+
+    @torch.no_grad()
+    def generate(model: Any, prompts: Sequence[Sequence[int]] | torch.Tensor, **overrides: Any) -> list[list[int]]:
+        rows = prompts.tolist() if torch.is_tensor(prompts) else [list(p) for p in prompts]
+        if not rows:
+            return []
+        width = max(len(r) for r in rows)
+        device = next(model.parameters()).device
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        kwargs = {**configured, "use_cache": True}
+        if overrides.get("do_sample") is False:  # greedy: no sampling settings (transformers warns of them)
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        kwargs.update(overrides)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            kwargs.setdefault("synced_gpus", torch.distributed.get_world_size() > 1)
+        was_training = model.training
+        model.eval()
+        try:
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        finally:
+            model.train(was_training)
+        stop_ids = set(kwargs["eos_token_id"]) if isinstance(kwargs.get("eos_token_id"), list) else set(stops.token_ids)
+        completions = []
+        for row in out[:, width:].tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+            if stops.strings and end == len(row):  # stopped by a stop string: the padding after it goes
+                while end and row[end - 1] == pad_id:
+                    end -= 1
+            completions.append(row[:end])
+        return completions
+
+    return generate

@@ -1,7 +1,13 @@
-"""What a run tells the user: log lines or a progress bar, trainer_log.jsonl, loss plots, TensorBoard / W&B.
+"""The run's hooks: what a run tells the user (log lines or a progress bar, trainer_log.jsonl, loss plots,
+TensorBoard / W&B) and when it stops early (a signal, or a STOP file in output_dir).
 
-Everything here runs on rank 0 only (the trainer does not build these objects elsewhere).
-trainer_log.jsonl has LlamaFactory's fields, so LlamaBoard-style tools read it unchanged.
+The Trainer calls a list of `Callback`s at fixed points: on_begin, on_step (after every optimizer step),
+on_log (a training log entry), on_evaluate (an evaluation's entry), on_save (a checkpoint written), on_end
+(the results), and asks `should_stop()` once per optimizer step. The writers (ProgressCallback,
+TrainerLogCallback, ReportersCallback, PlotsCallback) run on rank 0 only (the trainer does not build them
+elsewhere); StopRequests runs on every rank, and the ranks agree on the step to stop at (the trainer sums the
+flag with the step's other figures). trainer_log.jsonl has LlamaFactory's fields, so LlamaBoard-style tools
+read it unchanged.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -66,28 +74,33 @@ class TrainerLog:
         os.replace(tmp, self.path)
 
     def write(self, step: int, entry: dict[str, Any], session: Session, total_tokens: int) -> dict[str, Any]:
-        """One line from a log_history entry; remaining time extrapolates this session's pace."""
-        elapsed = session.elapsed()
-        remaining = (self.total_steps - step) * elapsed / session.steps if session.steps else 0.0
-        line = {
-            "current_steps": step,
-            "total_steps": self.total_steps,
-            "loss": entry.get("loss"),
-            "eval_loss": entry.get("eval_loss"),
-            "lr": entry.get("learning_rate"),
-            "epoch": entry.get("epoch"),
-            "percentage": round(step / self.total_steps * 100, 2) if self.total_steps else 100,
-            "elapsed_time": format_time(elapsed),
-            "remaining_time": format_time(remaining),
-            "throughput": round(session.tokens / elapsed, 2) if elapsed > 0 else None,
-            "total_tokens": total_tokens,
-            "grad_norm": entry.get("grad_norm"),
-            **objective_metrics(entry),
-        }
-        line = {k: v for k, v in line.items() if v is not None}
+        """One line from a log_history entry, appended to the file; returns it."""
+        line = log_line(step, self.total_steps, entry, session, total_tokens)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         return line
+
+
+def log_line(step: int, total_steps: int, entry: dict[str, Any], session: Session, total_tokens: int) -> dict[str, Any]:
+    """trainer_log.jsonl's line for a log_history entry; remaining time extrapolates this session's pace."""
+    elapsed = session.elapsed()
+    remaining = (total_steps - step) * elapsed / session.steps if session.steps else 0.0
+    line = {
+        "current_steps": step,
+        "total_steps": total_steps,
+        "loss": entry.get("loss"),
+        "eval_loss": entry.get("eval_loss"),
+        "lr": entry.get("learning_rate"),
+        "epoch": entry.get("epoch"),
+        "percentage": round(step / total_steps * 100, 2) if total_steps else 100,
+        "elapsed_time": format_time(elapsed),
+        "remaining_time": format_time(remaining),
+        "throughput": round(session.tokens / elapsed, 2) if elapsed > 0 else None,
+        "total_tokens": total_tokens,
+        "grad_norm": entry.get("grad_norm"),
+        **objective_metrics(entry),
+    }
+    return {k: v for k, v in line.items() if v is not None}
 
 
 class Progress:
@@ -253,6 +266,9 @@ class Session:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def restart(self) -> None:
+        self.start = time.perf_counter()
+
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start measuring this process's peak memory afresh (so loading the weights does not count)."""
@@ -277,3 +293,184 @@ def peak_memory_mb(device: torch.device) -> float | None:
         pass
     return None
 
+
+
+# ---- the hooks the Trainer calls ----------------------------------------------------------------------------
+
+STOP_FILE = "STOP"  # output_dir/STOP: stop after the current optimizer step, with a checkpoint to resume from
+
+
+class Callback:
+    """One run hook; override what you need. `state` is the trainer's TrainerState (global_step, log_history,
+    ...); entries are the log_history entries (loss, learning_rate, grad_norm, epoch, step, metrics)."""
+
+    def on_begin(self, state: Any, resumed_from: Path | None) -> None:
+        """Training starts (after a resume restored the state)."""
+
+    def on_step(self, state: Any) -> None:
+        """An optimizer step finished (and was logged, evaluated and saved as due)."""
+
+    def on_log(self, state: Any, entry: dict[str, Any]) -> None:
+        """A training log entry (every logging_steps steps, and the last steps at the end)."""
+
+    def on_evaluate(self, state: Any, entry: dict[str, Any]) -> None:
+        """An evaluation's entry (eval_loss, perplexity, eval_ metrics, epoch, step)."""
+
+    def on_save(self, state: Any, path: Path) -> None:
+        """A checkpoint was written to path (called on every rank that builds this callback)."""
+
+    def should_stop(self) -> str | None:
+        """Why training should stop after the current optimizer step, or None. Asked once per step, on every
+        rank; the ranks agree (one stops, all stop at the same step)."""
+        return None
+
+    def on_end(self, state: Any, results: dict[str, Any]) -> None:
+        """Training ended (completed or stopped); results are all_results.json's (status included)."""
+
+
+class Callbacks(Callback):
+    """Calls each callback in order."""
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def on_begin(self, state: Any, resumed_from: Path | None) -> None:
+        for c in self.callbacks:
+            c.on_begin(state, resumed_from)
+
+    def on_step(self, state: Any) -> None:
+        for c in self.callbacks:
+            c.on_step(state)
+
+    def on_log(self, state: Any, entry: dict[str, Any]) -> None:
+        for c in self.callbacks:
+            c.on_log(state, entry)
+
+    def on_evaluate(self, state: Any, entry: dict[str, Any]) -> None:
+        for c in self.callbacks:
+            c.on_evaluate(state, entry)
+
+    def on_save(self, state: Any, path: Path) -> None:
+        for c in self.callbacks:
+            c.on_save(state, path)
+
+    def should_stop(self) -> str | None:
+        for c in self.callbacks:
+            reason = c.should_stop()
+            if reason:
+                return reason
+        return None
+
+    def on_end(self, state: Any, results: dict[str, Any]) -> None:
+        for c in self.callbacks:
+            c.on_end(state, results)
+
+
+class TrainerLogCallback(Callback):
+    """output_dir/trainer_log.jsonl: a line per training log and per evaluation."""
+
+    def __init__(self, output_dir: Path, total_steps: int, session: Session) -> None:
+        self.log, self.session = TrainerLog(output_dir, total_steps), session
+
+    def on_begin(self, state: Any, resumed_from: Path | None) -> None:
+        self.log.start(state.global_step if resumed_from is not None else None)
+
+    def on_log(self, state: Any, entry: dict[str, Any]) -> None:
+        self.log.write(state.global_step, entry, self.session, state.total_tokens)
+
+    on_evaluate = on_log
+
+
+class ProgressCallback(Callback):
+    """The tqdm bar, or an INFO line per training log (see Progress)."""
+
+    def __init__(self, total_steps: int, disable_tqdm: bool, session: Session) -> None:
+        self.progress, self.session, self.total_steps = Progress(total_steps, disable_tqdm), session, total_steps
+
+    def on_begin(self, state: Any, resumed_from: Path | None) -> None:
+        self.progress.start(state.global_step)
+
+    def on_step(self, state: Any) -> None:
+        self.progress.step(state.global_step)
+
+    def on_log(self, state: Any, entry: dict[str, Any]) -> None:
+        self.progress.log(log_line(state.global_step, self.total_steps, entry, self.session, state.total_tokens))
+
+    def on_end(self, state: Any, results: dict[str, Any]) -> None:
+        self.progress.close()
+
+
+class ReportersCallback(Callback):
+    """TensorBoard / W&B (report_to), fed every log and evaluation entry."""
+
+    def __init__(self, names: list[str], output_dir: Path, config: dict[str, Any]) -> None:
+        self.reporters = Reporters(names, output_dir, config)
+
+    def on_log(self, state: Any, entry: dict[str, Any]) -> None:
+        self.reporters.log(state.global_step, entry)
+
+    on_evaluate = on_log
+
+    def on_end(self, state: Any, results: dict[str, Any]) -> None:
+        self.reporters.close()
+
+
+class PlotsCallback(Callback):
+    """training_loss.png and the other plots (plot_loss), from the run's log history at its end."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+
+    def on_end(self, state: Any, results: dict[str, Any]) -> None:
+        plot_losses(state.log_history, self.output_dir)
+
+
+class StopRequests(Callback):
+    """SIGINT / SIGTERM, or output_dir/STOP: stop after the current optimizer step (the trainer saves a checkpoint
+    there and writes its results with status "stopped"). The same signal a second time stops at once, as without
+    this hook (a different one is ignored: torchrun sends SIGTERM to workers that a Ctrl-C already reached).
+
+    install() puts the signal handlers in place (in the main thread only; elsewhere, e.g. in a Ray worker's
+    thread, only the stop file works) and restore() puts the previous ones back."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, output_dir: Path) -> None:
+        self.stop_file = Path(output_dir) / STOP_FILE
+        self.received: str | None = None
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.SIGNALS:
+            number = getattr(signal, name)
+            self.previous[number] = signal.signal(number, self._handle)
+
+    def restore(self) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
+
+    def _handle(self, number: int, frame: Any) -> None:
+        name = signal.Signals(number).name
+        if self.received == name:  # the same signal twice (Ctrl-C twice): stop now, as the previous handler would
+            self.restore()
+            signal.raise_signal(number)
+            return
+        if self.received is not None:  # another one: torchrun answers a Ctrl-C with SIGTERM to its workers
+            return
+        self.received = name
+        logger.warning("%s received: stopping after this optimizer step, with a checkpoint (send it again to "
+                       "stop at once, without one)", self.received)
+
+    def should_stop(self) -> str | None:
+        if self.received is not None:
+            return f"{self.received} received"
+        if self.stop_file.exists():
+            return f"{self.stop_file} found"
+        return None
+
+    def honoured(self) -> None:
+        """The stop happened: the stop file is removed, so the next run (a resume) does not stop at once."""
+        self.stop_file.unlink(missing_ok=True)

@@ -55,6 +55,7 @@ class TrainerState:
     best_eval_loss: float | None = None
     evals_without_improvement: int = 0
     last_eval_step: int | None = None
+    status: str = "running"  # then "completed", or "stopped" (a stop request; resume continues the run)
     log_history: list[dict[str, Any]] = field(default_factory=list)
 
     def save(self, path: Path) -> None:

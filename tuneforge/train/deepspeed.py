@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from tuneforge.errors import TrainingError
 from tuneforge.train import checkpoint
 from tuneforge.train.dist import ObjectiveStep
 from tuneforge.train.objectives import ModelReference, ObjectiveOutput
+from tuneforge.train.strategy import MakeOptimizer, check_norm
 
 logger = logging.getLogger(__name__)
 
@@ -77,46 +79,85 @@ class _TupleStep(ObjectiveStep):
         return out.loss_sum, out.metrics, out.counts
 
 
-class Engine:
-    """The DeepSpeed engine around ObjectiveStep(model, objective), with what the trainer asks of it."""
+class _OutputOf:
+    """The engine's call as the trainer's step: (loss_sum, metrics, counts) back into an ObjectiveOutput."""
 
-    def __init__(self, model: torch.nn.Module, objective: Any, optimizer: torch.optim.Optimizer, cfg: RunConfig):
-        deepspeed = _deepspeed()
-        settings = deepspeed_settings(cfg)
-        self.stage, self.world_size = settings.stage, dist.get_world_size()
-        config = filled_config(settings, cfg, _hidden_size(model), self.world_size)
-        self.engine, *_ = deepspeed.initialize(
-            model=_TupleStep(model, objective), optimizer=optimizer, config=config, dist_init_required=False
-        )
-        self.partitions_weights = settings.partitions_weights
-        reference = getattr(objective, "reference", None)
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __call__(self, batch: Any) -> ObjectiveOutput:
+        return ObjectiveOutput(*self.engine(batch))
+
+
+class DeepSpeedStrategy:
+    """The DeepSpeed engine around ObjectiveStep(model, objective) and the trainer's optimizer."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module) -> None:
+        self.cfg, self.model = cfg, model
+        self.settings = deepspeed_settings(cfg)
+        self.stage, self.world_size = self.settings.stage, dist.get_world_size()
+        self.config = filled_config(self.settings, cfg, _hidden_size(model), self.world_size)
+        self.partitions_weights = self.settings.partitions_weights
+        # every forward gathers each module's partitions from every rank (ZeRO-3)
+        self.gathers_weights = self.partitions_weights
+        self.reference: ModelReference | None = None
+
+    def place_reference(self, reference: Any) -> Any:
+        """At ZeRO-3 a frozen reference model is partitioned like the policy: in place, by wrap, after the
+        policy's engine exists. Below stage 3 (or the policy without adapters) it stays as it is."""
         if isinstance(reference, ModelReference) and self.partitions_weights:
+            self.reference = reference
+        return reference
+
+    def wrap(self, objective: Any, make_optimizer: MakeOptimizer) -> Callable[[Any], ObjectiveOutput]:
+        deepspeed = _deepspeed()
+        self.objective = objective
+        self.optimizer = make_optimizer()  # ZeRO partitions it (its states; at stage 3 the weights too)
+        self.engine, *_ = deepspeed.initialize(
+            model=_TupleStep(self.model, objective), optimizer=self.optimizer, config=self.config,
+            dist_init_required=False,
+        )
+        if self.reference is not None:
             # an engine without optimizer only partitions the frozen weights and gathers them around each module
             # (kept: its parameter coordinator serves the hooks it put on the reference's modules)
-            self.reference_engine, *_ = deepspeed.initialize(model=reference.model, config=config,
+            self.reference_engine, *_ = deepspeed.initialize(model=self.reference.model, config=self.config,
                                                              dist_init_required=False)
             logger.info("deepspeed: the reference model is partitioned like the policy (ZeRO-3)")
-        offload = [what for what, on in (("optimizer", settings.offload_optimizer), ("parameters", settings.offload_param))
-                   if on]
+        s = self.settings
+        offload = [what for what, on in (("optimizer", s.offload_optimizer), ("parameters", s.offload_param)) if on]
         logger.info(
             "deepspeed: ZeRO stage %d over %d process%s%s, %s", self.stage, self.world_size,
             "es" if self.world_size > 1 else "", f", {' and '.join(offload)} offloaded to the CPU" if offload else "",
-            "bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32",
+            "bf16" if self.cfg.train.bf16 else "fp16" if self.cfg.train.fp16 else "fp32",
         )
+        return _OutputOf(self.engine)
 
-    def __call__(self, batch: dict[str, Any]) -> ObjectiveOutput:
-        return ObjectiveOutput(*self.engine(batch))
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # DeepSpeed reduces when the accumulation boundary comes (backward)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         """Back-propagate one micro-batch's already normalized loss; the last one ends the accumulation."""
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self) -> float:
-        """Reduce, clip (gradient_clipping = max_grad_norm), step and zero the gradients; the norm before clipping."""
+    def step(self, step: int) -> float:
+        """Reduce, clip (gradient_clipping = max_grad_norm), step and zero the gradients; the norm before clipping.
+        fp16: DeepSpeed's loss scaler skips a step whose gradients overflowed, so its norm is not checked."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else 0.0
+        norm = float(norm) if norm is not None else 0.0
+        return norm if self.cfg.train.fp16 else check_norm(norm, step, self.cfg)
+
+    def eval_forward(self, batch: Any) -> ObjectiveOutput:
+        if self.partitions_weights:
+            return ObjectiveOutput(*self.engine(batch))
+        return self.objective(self.model, batch)
+
+    def weights_usable(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3: every weight gathered (collective); below stage 3 each rank holds them whole already."""
+        if not self.partitions_weights:
+            return contextlib.nullcontext()
+        return _deepspeed().zero.GatheredParameters(list(self.model.parameters()))
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, output_dir: Path, tokenizer: Any, scheduler: Any, state: checkpoint.TrainerState,
@@ -156,9 +197,10 @@ class Engine:
         checkpoint.restore_rng(torch.load(folder / f"rng_state_{dist.get_rank()}.pt", weights_only=True))
         return checkpoint.TrainerState.load(folder / checkpoint.TRAINER_STATE)
 
-    def save_final_model(self, model: torch.nn.Module, tokenizer: Any, output_dir: Path, pissa_init: Path | None,
-                         pissa_convert: bool, *, is_main: bool) -> None:
+    def save_final(self, tokenizer: Any, output_dir: Path, pissa_init: Path | None, pissa_convert: bool,
+                   *, is_main: bool) -> None:
         """The Hugging Face folder on rank 0; at stage 3 the weights are first gathered onto it (collective)."""
+        model = self.model
         if not self.partitions_weights:
             if is_main:
                 checkpoint.save_final_model(model, tokenizer, output_dir, pissa_init, pissa_convert)

@@ -54,6 +54,7 @@ from tuneforge.train.dist import ObjectiveStep, release_before_teardown
 from tuneforge.train.objectives import ModelReference
 from tuneforge.train.objectives.logps import sequence_logps
 from tuneforge.train.objectives.reference import eval_mode
+from tuneforge.train.strategy import LocalStrategy, MakeOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +78,25 @@ class ShardedStep(ObjectiveStep):
             self.set_requires_gradient_sync(True)
 
 
-def shard(model: torch.nn.Module, objective: Any, cfg: RunConfig, device: torch.device) -> ShardedStep:
-    """ShardedStep(model, objective) with model's layers and the step itself under fully_shard.
-
-    A frozen reference model held by the objective (objective.reference) is sharded too."""
+def require_group(cfg: RunConfig) -> None:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         raise ConfigError(f"{cfg.source}: fsdp shards over several processes, but this one runs alone; start "
                           f"several (FORCE_TORCHRUN=1 NPROC_PER_NODE=2) or set fsdp: false")
+
+
+def offload_policy(settings: FsdpSettings, device: torch.device) -> OffloadPolicy:
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if settings.cpu_offload else OffloadPolicy()
+
+
+def shard(model: torch.nn.Module, objective: Any, cfg: RunConfig, device: torch.device,
+          mesh: DeviceMesh | None = None) -> ShardedStep:
+    """ShardedStep(model, objective) with model's layers and the step itself under fully_shard."""
+    require_group(cfg)
     settings = fsdp_settings(cfg)
-    mesh = device_mesh(settings, device)
+    mesh = mesh if mesh is not None else device_mesh(settings, device)
     bf16 = cfg.train.bf16
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if settings.cpu_offload else OffloadPolicy()
+    offload = offload_policy(settings, device)
     ignored = {p for p in model.parameters() if type(p).__name__ in QUANTIZED} or None
     common = dict(mesh=mesh, offload_policy=offload, ignored_params=ignored)
     step = ShardedStep(model, objective)
@@ -100,11 +108,6 @@ def shard(model: torch.nn.Module, objective: Any, cfg: RunConfig, device: torch.
     if isinstance(head, torch.nn.Module):  # a reward model's value head computes in fp32
         fully_shard(head, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32), **common)
     fully_shard(step, mp_policy=mixed, **common)  # the root keeps its weights gathered until the backward
-    reference = getattr(objective, "reference", None)
-    if isinstance(reference, ModelReference):
-        objective.reference = ShardedReference(reference, settings, mesh, offload)
-        logger.info("fsdp: the frozen reference model is sharded like the policy (%s units + its root)",
-                    objective.reference.units)
     logger.info(
         "fsdp: %d %s units + the root over %s processes (%s%s%s), %s",
         len(layers), layer_names,
@@ -116,6 +119,68 @@ def shard(model: torch.nn.Module, objective: Any, cfg: RunConfig, device: torch.
     if ignored:
         logger.info("fsdp: %d quantized weights stay whole on every process (not sharded)", len(ignored))
     return step
+
+
+class FsdpStrategy(LocalStrategy):
+    """FSDP2: the model sharded before the optimizer is built (it steps the shards); a frozen reference model
+    sharded like it; sharded checkpoints; the full weights gathered onto rank 0 for the final save."""
+
+    gathers_weights = True  # every forward all-gathers each unit's weights from every rank
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module) -> None:
+        super().__init__(cfg, model)
+        self.settings = fsdp_settings(cfg)
+        self._mesh: DeviceMesh | None = None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            require_group(self.cfg)
+            self._mesh = device_mesh(self.settings, self.device)
+        return self._mesh
+
+    def place_reference(self, reference: Any) -> Any:
+        if not isinstance(reference, ModelReference):
+            return reference  # the policy without adapters runs through the policy's own shards
+        sharded = ShardedReference(reference, self.settings, self.mesh, offload_policy(self.settings, self.device))
+        logger.info("fsdp: the frozen reference model is sharded like the policy (%s units + its root)",
+                    sharded.units)
+        return sharded
+
+    def wrap(self, objective: Any, make_optimizer: MakeOptimizer) -> torch.nn.Module:
+        self.objective = objective
+        # before the optimizer: fully_shard replaces the parameters by the shards it steps
+        self.step_module = shard(self.model, objective, self.cfg, self.device, self.mesh)
+        self.optimizer = make_optimizer()
+        return self.step_module
+
+    def eval_forward(self, batch: Any):
+        return self.step_module(batch)  # through the root, which gathers its weights
+
+    @contextlib.contextmanager
+    def weights_usable(self) -> Iterator[None]:
+        """The root's own weights (embeddings, norm, head) gathered; each layer gathers its own when it runs."""
+        root = self.step_module
+        state = root._get_fsdp_state()
+        if getattr(state, "_is_root", True) is None:  # no forward ran yet: make the step the root first
+            state._lazy_init()
+        root.unshard()
+        try:
+            yield
+        finally:
+            root.reshard()
+
+    def save_checkpoint(self, output_dir: Path, tokenizer: Any, scheduler: Any, state: checkpoint.TrainerState,
+                        *, is_main: bool) -> Path:
+        return save_checkpoint(output_dir, self.model, tokenizer, self.optimizer, scheduler, self.scaler, state,
+                               is_main=is_main)
+
+    def load_checkpoint(self, folder: Path, scheduler: Any) -> checkpoint.TrainerState:
+        return load_checkpoint(folder, self.model, self.optimizer, scheduler, self.scaler)
+
+    def save_final(self, tokenizer: Any, output_dir: Path, pissa_init: Path | None, pissa_convert: bool,
+                   *, is_main: bool) -> None:
+        save_final_model(self.model, tokenizer, output_dir, is_main=is_main)  # every rank sends its shards
 
 
 def device_mesh(settings: FsdpSettings, device: torch.device) -> DeviceMesh:

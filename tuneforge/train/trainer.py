@@ -6,6 +6,15 @@ tokens for lm) counted and summed over all ranks, and each micro-batch back-prop
 loss_sum / total_units. The step's gradient is therefore the gradient of the whole batch's mean loss,
 however it is split into micro-batches or ranks.
 
+Rollouts: an objective may define `prepare(model, batch) -> batch`. The trainer calls it for every micro-batch
+of the step (and of an evaluation) after collation and the move to the device, under no_grad, with the plain
+model inside the strategy's `weights_usable()` context (outside DDP / FSDP / DeepSpeed's wrapper), and counts the
+units only after all of them: a unit known only after generation (a generated token) normalizes exactly too.
+
+How it runs on one or many processes is the Strategy's business (train/strategy.py); the run hooks (progress,
+trainer_log.jsonl, reporters, plots, stop requests) are callbacks (train/callbacks.py). A stop request (SIGINT /
+SIGTERM, output_dir/STOP) ends the run after the current optimizer step with a checkpoint, status "stopped".
+
 Data order is a pure function of (seed, epoch), so resuming skips the consumed micro-batches of the current
 epoch without running them and continues with exactly the batches the uninterrupted run would have seen.
 """
@@ -15,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +35,11 @@ from transformers import set_seed
 
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
-from tuneforge.train import callbacks, checkpoint, deepspeed, fsdp
-from tuneforge.train.dist import data_parallel
+from tuneforge.train import callbacks as _callbacks
+from tuneforge.train import checkpoint
 from tuneforge.train.objectives import Objective, lm_objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
+from tuneforge.train.strategy import Strategy, build_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,21 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def sums_over_ranks(
+    groups: Mapping[str, Mapping[str, Any]], device: torch.device
+) -> dict[str, dict[str, float]]:
+    """Every value of every group (loss and counts, metric sums, metric counts, ...) summed over the ranks, in
+    one all-reduce. Every rank must pass the same group and key names (the objective's metric names are the
+    same on every rank); the order they come in does not matter."""
+    keys = sorted((group, key) for group, values in groups.items() for key in values)
+    flat = [float(groups[group][key]) for group, key in keys]
+    reduced = all_reduce_sum(flat, device)
+    out: dict[str, dict[str, float]] = {group: {} for group in groups}
+    for (group, key), value in zip(keys, reduced, strict=True):
+        out[group][key] = value
+    return out
 
 
 def epoch_micro_batches(
@@ -111,6 +136,7 @@ class StepResult:
     grad_norm: float
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)  # denominators of subset metrics
+    stop: str | None = None  # why the run stops after this step (asked on some rank: all ranks agree)
 
 
 @dataclass
@@ -153,6 +179,11 @@ def metric_means(metrics: Mapping[str, float], counts: Mapping[str, float], unit
 
 
 class Trainer:
+    """The one loop. strategy: how it runs on one or many processes (built from the config when not given; give
+    it when a frozen reference model must be placed first: strategy.place_reference before the objective is
+    built). callbacks: run hooks besides the built-in ones (progress, trainer_log.jsonl, reporters, plots,
+    stop requests)."""
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -162,6 +193,9 @@ class Trainer:
         eval_dataset: Any = None,
         collator: Collator | None = None,
         objective: Objective = lm_objective,
+        *,
+        strategy: Strategy | None = None,
+        callbacks: Sequence[_callbacks.Callback] = (),
     ) -> None:
         if collator is None:
             raise TypeError(
@@ -170,11 +204,14 @@ class Trainer:
         t = cfg.train
         self.cfg, self.model, self.tokenizer, self.objective = cfg, model, tokenizer, objective
         self.train_dataset, self.eval_dataset, self.collator = train_dataset, eval_dataset, collator
+        # rollouts and other work before the forward: prepare(model, batch) -> batch, under no_grad
+        self.prepare = getattr(objective, "prepare", None)
+        self.extra_callbacks = list(callbacks)
         self.output_dir = Path(t.output_dir or ".")
         self.rank, self.world_size = rank_and_world_size()
         self.is_main = self.rank == 0
         self.device = next(model.parameters()).device
-        self.reporter_names = callbacks.requested_reporters(t.report_to, cfg.source)
+        self.reporter_names = _callbacks.requested_reporters(t.report_to, cfg.source)
         if t.eval_strategy != "no" and eval_dataset is None:
             raise DataError(
                 f"{cfg.source}: eval_strategy {t.eval_strategy} needs evaluation data, but none was "
@@ -185,14 +222,6 @@ class Trainer:
         self.micro_batches_per_epoch = math.ceil(padded_rows / (t.per_device_train_batch_size * self.world_size))
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps)
         self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
-        self.sharded = fsdp.enabled(cfg)
-        if self.sharded:  # before the optimizer: fully_shard replaces the parameters by the shards it steps
-            self.step_module = fsdp.shard(model, objective, cfg, self.device)
-        self.optimizer = build_optimizer(model, cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        # DeepSpeed scales an fp16 loss itself
-        scaling = t.fp16 and self.device.type == "cuda" and not deepspeed.enabled(cfg)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=scaling)
         if t.fp16 and self.device.type != "cuda":
             logger.warning("fp16 on %s runs without loss scaling; bf16 is the safer choice", self.device.type)
         if t.bf16 and self.device.type == "cpu" and not cpu_has_native_bf16():
@@ -201,134 +230,128 @@ class Trainer:
                 "many times slower than fp32; set bf16: false to train in fp32 here",
                 torch.backends.cpu.get_cpu_capability(),
             )
-        self.engine = deepspeed.Engine(model, objective, self.optimizer, cfg) if deepspeed.enabled(cfg) else None
-        if self.engine is not None:  # ZeRO partitions the optimizer built above (and at stage 3 the weights)
-            self.step_module = self.engine
-        elif not self.sharded:
-            self.step_module = data_parallel(model, objective, self.device)  # forward = the objective
-        # every rank must run each forward when each forward gathers weights from all ranks
-        self.gathers_weights = self.sharded or (self.engine is not None and self.engine.partitions_weights)
+        self.strategy = strategy if strategy is not None else build_strategy(cfg, model)
+
+        def make_optimizer() -> torch.optim.Optimizer:  # called by the strategy once the parameters are final
+            self.optimizer = build_optimizer(model, cfg)
+            self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+            return self.optimizer
+
+        self.step_module = self.strategy.wrap(objective, make_optimizer)  # forward(batch) = the objective's call
+        # every rank runs each evaluation forward when each gathers weights from all ranks, and when prepare may
+        # generate (under several processes, generation keeps the ranks in step token by token)
+        self.same_eval_count = self.strategy.gathers_weights or self.prepare is not None
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Train to total_steps (or early stop), write the outputs, and return the run's metrics."""
+        """Train to total_steps (or an early stop, or a stop request), write the outputs, return the metrics."""
         t = self.cfg.train
         if self.micro_batches_per_epoch == 0:
             raise DataError(f"{self.cfg.source}: the training dataset is empty; check dataset / max_samples")
+        self.stop_requests = _callbacks.StopRequests(self.output_dir)
+        self.stop_requests.install()
+        try:
+            return self._train(t)
+        finally:
+            self.stop_requests.restore()
+
+    def _train(self, t: Any) -> dict[str, Any]:
         resumed_from = self._start()
         if t.eval_on_start and resumed_from is None:  # the untrained model's figures, to compare against
             self._evaluate_and_track()
         self.model.train()
-        window, stop_reason = Window(), None
-        while self.state.global_step < self.total_steps and stop_reason is None:
+        window, stop_reason, stopped = Window(), None, None
+        while self.state.global_step < self.total_steps and stop_reason is None and stopped is None:
             for group in self._accumulation_groups():
                 result = self._optimizer_step(group)
                 epoch_ended = self._advance(len(group), result)
                 window.add(result)
                 step = self.state.global_step
-                if step % t.logging_steps == 0:
+                if result.stop is not None and step < self.total_steps:
+                    stopped = result.stop
+                if step % t.logging_steps == 0 or stopped:
                     self._log_train(window)
                     window = Window()
                 every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
                 if every_n or (t.eval_strategy == "epoch" and epoch_ended):
                     stop_reason = self._evaluate_and_track()
-                if t.save_strategy == "steps" and step % t.save_steps == 0:
+                due = t.save_strategy == "steps" and step % t.save_steps == 0
+                if due or (stopped and stop_reason is None):  # a stopped run can be resumed from this step
                     self._save_checkpoint()
-                self.progress.step(step)
-                if stop_reason is not None or step >= self.total_steps:
+                self.callbacks.on_step(self.state)
+                if stop_reason is not None or stopped or step >= self.total_steps:
                     break
         if window.steps:  # the steps after the last multiple of logging_steps
             self._log_train(window)
         if stop_reason is not None:
+            stopped = None  # early stopping ends the run as finished
             logger.info(
                 "%s; stopping at step %d of %d", stop_reason, self.state.global_step, self.total_steps
             )
-        if self.eval_dataset is not None and self.state.last_eval_step != self.state.global_step:
+        if self.is_main:  # honoured, or moot (the run ended anyway): the next run must not stop at once
+            self.stop_requests.honoured()
+        if stopped is None and self.eval_dataset is not None and self.state.last_eval_step != self.state.global_step:
             self._evaluate_and_track()
+        self.state.status = "stopped" if stopped else "completed"
         results = self._results()
-        self._finish(results, resumed_from)
+        self._finish(results, resumed_from, stopped)
         return results
 
     def _optimizer_step(self, group: list[list[int]]) -> StepResult:
-        """Forward + backward each micro-batch, normalized by the step's total units; clip; step."""
+        """[prepare] + forward + backward each micro-batch, normalized by the step's total units; clip; step."""
         t = self.cfg.train
         rows = [[self.train_dataset[i] for i in indices] for indices in group]
         batches = [self.collator(micro_batch_rows) for micro_batch_rows in rows]
+        if self.prepare is not None:  # rollouts first: units may only be known after them (generated tokens)
+            batches = [self._prepared(batch) for batch in batches]
         units, tokens = all_reduce_sum(
             [sum(self.objective.count(b) for b in batches), sum(b.num_tokens for b in batches)], self.device
         )
-        # DDP averages gradients over ranks; multiplying by world_size turns that average into the global sum
+        # the strategies average gradients over ranks; multiplying by world_size turns that into the global sum
         scale = self.world_size / max(units, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         metrics: dict[str, torch.Tensor | float] = {}
         counts: dict[str, torch.Tensor | float] = {}
         for i, batch in enumerate(batches):
-            # under DDP, gradients are all-reduced once per step: with the last micro-batch's backward
-            last = i == len(batches) - 1
-            no_sync = getattr(self.step_module, "no_sync", None)
-            if self.engine is not None:  # DeepSpeed reduces when the accumulation boundary comes
+            last = i == len(batches) - 1  # gradients are reduced over ranks once per step: with the last backward
+            with self.strategy.accumulating(last):
                 with self._autocast():
-                    out = self.engine(self._to_device(batch))
-                self.engine.backward(out.loss_sum * scale, last)
-            else:
-                with contextlib.nullcontext() if last or no_sync is None else no_sync():
-                    with self._autocast():
-                        out = self.step_module(self._to_device(batch))
-                    self.scaler.scale(out.loss_sum * scale).backward()
+                    out = self.step_module(self._to_device(batch))
+                self.strategy.backward(out.loss_sum * scale, last)
             loss_sum += out.loss_sum.detach().float()
             add_into(metrics, out.metrics)
             add_into(counts, out.counts)
         step = self.state.global_step + 1
         samples = sum(b.num_rows for b in batches)
-        # the step's loss, metrics and samples over all ranks (every rank's objective emits the same keys)
-        keys, count_keys = sorted(metrics), sorted(counts)
-        reduced = all_reduce_sum(
-            [float(loss_sum), samples, *(float(metrics[k]) for k in keys), *(float(counts[k]) for k in count_keys)],
+        # the step's loss, metrics and samples over all ranks, and whether any rank was asked to stop
+        asked = self.callbacks.should_stop()
+        reduced = sums_over_ranks(
+            {"step": {"loss": loss_sum, "samples": samples, "stop": 1.0 if asked else 0.0},
+             "metrics": metrics, "counts": counts},
             self.device,
         )
-        loss_value, samples = reduced[0], int(reduced[1])
-        metrics = dict(zip(keys, reduced[2 : 2 + len(keys)], strict=True))
-        counts = dict(zip(count_keys, reduced[2 + len(keys) :], strict=True))
+        loss_value, samples = reduced["step"]["loss"], int(reduced["step"]["samples"])
+        stop = (asked or "another process was asked to stop") if reduced["step"]["stop"] > 0 else None
         if not math.isfinite(loss_value):
             raise TrainingError(
                 f"step {step}: the loss is {loss_value}. Lower learning_rate (now {t.learning_rate:g})"
                 f"{', or use bf16 instead of fp16' if t.fp16 else ''}, and check the data of this step"
             )
-        if self.engine is not None:  # reduce, clip, step, zero the gradients (fp16: DeepSpeed skips an overflow)
-            grad_norm = self.engine.step()
-            grad_norm = grad_norm if t.fp16 else self._check_norm(grad_norm, step)
-        else:
-            grad_norm = self._clip_gradients(step)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.strategy.step(step)  # clip, step, zero the gradients
         self.scheduler.step()
         self.session.steps, self.session.tokens = self.session.steps + 1, self.session.tokens + int(tokens)
         self.session.samples += samples
-        metric_values = {k: float(v) for k, v in metrics.items()}
-        count_values = {k: float(v) for k, v in counts.items()}
-        return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, metric_values, count_values)
+        return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, reduced["metrics"],
+                          reduced["counts"], stop)
 
-    def _clip_gradients(self, step: int) -> float:
-        """Clip to max_grad_norm (0: no clipping) and return the norm before clipping."""
-        t = self.cfg.train
-        self.scaler.unscale_(self.optimizer)
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        return norm if self.scaler.is_enabled() else self._check_norm(norm, step)  # fp16: the scaler skips the step
-
-    def _check_norm(self, norm: float, step: int) -> float:
-        t = self.cfg.train
-        if not math.isfinite(norm):
-            raise TrainingError(
-                f"step {step}: the gradient norm is {norm}. Lower learning_rate (now {t.learning_rate:g}) "
-                f"or set max_grad_norm (now {t.max_grad_norm:g})"
-            )
-        return norm
+    @torch.no_grad()
+    def _prepared(self, batch: Mapping[str, Any]) -> Any:
+        """objective.prepare(model, batch) on the device, outside the strategy's wrapper (weights usable)."""
+        with self.strategy.weights_usable(), self._autocast():
+            return self.prepare(self.model, self._to_device(batch))
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         return batch.to(self.device)
@@ -371,15 +394,14 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         size = self.cfg.train.per_device_eval_batch_size
-        batches = eval_batches(len(self.eval_dataset), size, self.rank, self.world_size, self.gathers_weights)
+        batches = eval_batches(len(self.eval_dataset), size, self.rank, self.world_size, self.same_eval_count)
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for indices, counted in batches:
             batch = self.collator([self.eval_dataset[i] for i in indices])
+            if self.prepare is not None:
+                batch = self._prepared(batch)
             with self._autocast():
-                if self.gathers_weights:
-                    out = self.step_module(self._to_device(batch))
-                else:
-                    out = self.objective(self.model, self._to_device(batch))
+                out = self.strategy.eval_forward(self._to_device(batch))
             if not counted:
                 continue
             units += self.objective.count(batch)
@@ -387,15 +409,9 @@ class Trainer:
             add_into(sums, out.metrics)
             add_into(counts, out.counts)
         self.model.train(was_training)
-        # every rank reduces the same list: the metric names are the objective's, the same on all ranks
-        keys, count_keys = sorted(sums), sorted(counts)
-        reduced = all_reduce_sum(
-            [loss_sum, units, *(float(sums[k]) for k in keys), *(float(counts[k]) for k in count_keys)],
-            self.device,
-        )
-        loss_sum, units = reduced[0], reduced[1]
-        sums = dict(zip(keys, reduced[2 : 2 + len(keys)], strict=True))
-        counts = dict(zip(count_keys, reduced[2 + len(keys) :], strict=True))
+        reduced = sums_over_ranks({"eval": {"loss": loss_sum, "units": units}, "metrics": sums, "counts": counts},
+                                  self.device)
+        loss_sum, units = reduced["eval"]["loss"], reduced["eval"]["units"]
         if units == 0:
             raise DataError(
                 f"{self.cfg.source}: the evaluation data has no {self.objective.name} units "
@@ -404,7 +420,7 @@ class Trainer:
         metrics = {"eval_loss": loss_sum / units}
         if self.objective.reports_perplexity:
             metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
-        metrics.update({f"eval_{k}": v for k, v in metric_means(sums, counts, units).items()})
+        metrics.update({f"eval_{k}": v for k, v in metric_means(reduced["metrics"], reduced["counts"], units).items()})
         return metrics
 
     def _evaluate_and_track(self) -> str | None:
@@ -413,7 +429,8 @@ class Trainer:
         metrics = self.evaluate()
         s.last_eval_step = s.global_step
         entry = {**metrics, "epoch": round(s.epoch_progress, 4), "step": s.global_step}
-        self._record(entry)
+        s.log_history.append(entry)
+        self.callbacks.on_evaluate(s, entry)
         logger.info(
             "eval at step %d: %s", s.global_step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         )
@@ -439,27 +456,15 @@ class Trainer:
         }
         entry.update(metric_means(window.metrics, window.counts, max(window.units, 1)))
         entry["step"] = s.global_step
-        self._record(entry)
-
-    def _record(self, entry: dict[str, Any]) -> None:
-        self.state.log_history.append(entry)
-        if not self.is_main:
-            return
-        line = self.trainer_log.write(self.state.global_step, entry, self.session, self.state.total_tokens)
-        if "loss" in entry:
-            self.progress.log(line)
-        self.reporters.log(self.state.global_step, entry)
+        s.log_history.append(entry)
+        self.callbacks.on_log(s, entry)
 
     def _save_checkpoint(self) -> None:
-        parts = (self.model, self.tokenizer, self.optimizer, self.scheduler, self.scaler, self.state)
-        if self.engine is not None:  # every rank writes its partitions
-            self.engine.save_checkpoint(self.output_dir, self.tokenizer, self.scheduler, self.state, is_main=self.is_main)
-        elif self.sharded:  # every rank writes its shards
-            fsdp.save_checkpoint(self.output_dir, *parts, is_main=self.is_main)
-        elif self.is_main:
-            checkpoint.save_checkpoint(self.output_dir, *parts)
+        path = self.strategy.save_checkpoint(self.output_dir, self.tokenizer, self.scheduler, self.state,
+                                             is_main=self.is_main)
         if self.is_main:
             checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit)
+        self.callbacks.on_save(self.state, path)
 
     def _start(self) -> Path | None:
         """Resume (weights, optimizer, scheduler, RNG, data position) or seed a fresh run; open the logs."""
@@ -467,12 +472,9 @@ class Trainer:
         # before the checkpoint's weights replace the initial adapter
         self.pissa_init = checkpoint.keep_pissa_init(self.model, self.output_dir, folder, write=self.is_main)
         if folder is not None:
-            parts = (self.model, self.optimizer, self.scheduler, self.scaler)
-            if self.engine is not None:
-                self.state = self.engine.load_checkpoint(folder, self.scheduler)
-            else:
-                self.state = (fsdp.load_checkpoint if self.sharded else checkpoint.load_checkpoint)(folder, *parts)
+            self.state = self.strategy.load_checkpoint(folder, self.scheduler)
             self.state.total_steps = self.total_steps
+            self.state.status = "running"
             if self.state.batches_in_epoch >= self.micro_batches_per_epoch:  # the data shrank since the save
                 self.state.epoch, self.state.batches_in_epoch = self.state.epoch + 1, 0
             s = self.state
@@ -485,15 +487,12 @@ class Trainer:
             )
         else:
             set_seed(self.cfg.train.seed)
-        self.progress = callbacks.Progress(self.total_steps, self.cfg.train.disable_tqdm or not self.is_main)
-        self.progress.start(self.state.global_step)
-        self.trainer_log = callbacks.TrainerLog(self.output_dir, self.total_steps)
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.remove_stale_temporaries(self.output_dir)
-            self.trainer_log.start(self.state.global_step if folder is not None else None)
-        names = self.reporter_names if self.is_main else []
-        self.reporters = callbacks.Reporters(names, self.output_dir, self.cfg.to_dict())
+        self.session = _callbacks.Session()
+        self.callbacks = _callbacks.Callbacks([*self._builtin_callbacks(), *self.extra_callbacks])
+        self.callbacks.on_begin(self.state, folder)
         t = self.cfg.train
         logger.info(
             "training %d steps (%d micro-batches of %d per epoch, %d per step)",
@@ -502,9 +501,23 @@ class Trainer:
             t.per_device_train_batch_size,
             t.gradient_accumulation_steps,
         )
-        self.session = callbacks.Session()
-        callbacks.reset_peak_memory(self.device)  # training's peak, not loading's
+        self.session.restart()  # this session's pace from here
+        _callbacks.reset_peak_memory(self.device)  # training's peak, not loading's
         return folder
+
+    def _builtin_callbacks(self) -> list[_callbacks.Callback]:
+        """Progress, trainer_log.jsonl, reporters and plots on rank 0; stop requests on every rank."""
+        t = self.cfg.train
+        own: list[_callbacks.Callback] = [self.stop_requests]
+        if self.is_main:
+            own += [
+                _callbacks.ProgressCallback(self.total_steps, t.disable_tqdm, self.session),
+                _callbacks.TrainerLogCallback(self.output_dir, self.total_steps, self.session),
+                _callbacks.ReportersCallback(self.reporter_names, self.output_dir, self.cfg.to_dict()),
+            ]
+            if t.plot_loss:
+                own.append(_callbacks.PlotsCallback(self.output_dir))
+        return own
 
     def _results(self) -> dict[str, Any]:
         s, run = self.state, self.session
@@ -523,8 +536,10 @@ class Trainer:
             "train_steps_per_second": per_second(run.steps),
             "train_tokens_per_second": per_second(run.tokens),
         }
+        if s.status == "stopped":  # a finished run's results keep their keys
+            results["status"] = s.status
         # every rank's peak memory since training started (RSS on a CPU, allocated memory on CUDA)
-        own = callbacks.peak_memory_mb(self.device)
+        own = _callbacks.peak_memory_mb(self.device)
         peaks = all_reduce_sum([(own or 0.0) if r == self.rank else 0.0 for r in range(self.world_size)], self.device)
         if own is not None:
             results["train_peak_memory_mb"] = round(max(peaks), 1)
@@ -535,23 +550,23 @@ class Trainer:
             results.update({k: v for k, v in evals[-1].items() if k not in ("epoch", "step")})
         return results
 
-    def _finish(self, results: dict[str, Any], resumed_from: Path | None) -> None:
-        self.progress.close()
-        self.reporters.close()
-        pissa_convert = self.cfg.method.pissa_convert
-        if self.engine is not None:  # at ZeRO-3 every rank sends its partitions; rank 0 writes the folder
-            self.engine.save_final_model(self.model, self.tokenizer, self.output_dir, self.pissa_init, pissa_convert,
-                                         is_main=self.is_main)
-        elif self.sharded:  # every rank sends its shards; rank 0 writes the folder
-            fsdp.save_final_model(self.model, self.tokenizer, self.output_dir, is_main=self.is_main)
+    def _finish(self, results: dict[str, Any], resumed_from: Path | None, stopped: str | None) -> None:
+        if not stopped:  # a stopped run's weights are in its last checkpoint, not (yet) the output
+            self.strategy.save_final(self.tokenizer, self.output_dir, self.pissa_init,
+                                     self.cfg.method.pissa_convert, is_main=self.is_main)
         if not self.is_main:
+            self.callbacks.on_end(self.state, results)
             return
-        if self.engine is None and not self.sharded:
-            checkpoint.save_final_model(self.model, self.tokenizer, self.output_dir, self.pissa_init, pissa_convert)
         checkpoint.write_results(self.output_dir, results, self.state)
-        if self.cfg.train.plot_loss:
-            callbacks.plot_losses(self.state.log_history, self.output_dir)
+        self.callbacks.on_end(self.state, results)
         resumed = f" (resumed from {resumed_from.name})" if resumed_from else ""
+        if stopped:
+            logger.warning(
+                "stopped at step %d of %d (%s)%s: checkpoint-%d saved in %s; continue with "
+                "resume_from_checkpoint: true (tuneforge train ... resume_from_checkpoint=true)",
+                self.state.global_step, self.total_steps, stopped, resumed, self.state.global_step, self.output_dir,
+            )
+            return
         logger.info(
             "finished %d steps%s: train_loss %.4f; outputs in %s",
             self.state.global_step,
