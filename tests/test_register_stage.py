@@ -97,7 +97,9 @@ def test_a_registered_stage_trains_with_its_own_objective(tmp_path, tiny_model_d
 
     monkeypatch.setenv("TUNEFORGE_HOME", str(tmp_path / "home"))
     results = run(config(tmp_path, tiny_model_dir, stage="focal", dataset="alpaca_demo"))
-    assert toys == [("focal", None, None)]  # no reference for a stage whose row says never
+    [(name, reference, generate)] = toys
+    assert (name, reference) == ("focal", None)  # no reference for a stage whose row says never
+    assert callable(generate)  # the workflow hands every objective the rollout generator (built on first use)
     assert results["global_step"] == 3
     rows = logged(tmp_path)
     assert len(rows) == 3 and all("focal/weight" in r and 0 < r["focal/weight"] < 1 for r in rows)

@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 from train_helpers import load_model, make_cfg, trainable_state
 
+from tuneforge.batch import Batch
 from tuneforge.infer.generation import chat_template, completion_generator, end_of_turn
 from tuneforge.train import Trainer
 from tuneforge.train.objectives import lm_objective
@@ -33,7 +34,7 @@ class RolloutObjective:
 
     def prepare(self, model, batch):
         assert not torch.is_grad_enabled()
-        prompts = batch["input_ids"].tolist()
+        prompts = batch.model_inputs["input_ids"].tolist()
         # each prompt alone (no padding), with its own length limit: the completions' lengths differ, and are
         # known only now
         completions = [self.generate(model, [p], max_new_tokens=2 + p[0] % 5, do_sample=False)[0] for p in prompts]
@@ -44,12 +45,13 @@ class RolloutObjective:
         mask = [[1] * len(r) + [0] * (width - len(r)) for r in rows]
         labels = [[-100] * len(p) + c + [-100] * (width - len(p) - len(c)) for p, c in zip(prompts, completions,
                                                                                             strict=True)]
-        device = batch["input_ids"].device
-        return {k: torch.tensor(v, device=device) for k, v in
-                (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
+        device = batch.model_inputs["input_ids"].device
+        inputs = {k: torch.tensor(v, device=device) for k, v in (("input_ids", ids), ("attention_mask", mask))}
+        return Batch(inputs, {"labels": torch.tensor(labels, device=device)}, batch.layout, num_rows=len(rows),
+                     num_tokens=sum(map(len, rows)))
 
     def count(self, batch) -> int:
-        return int((batch["labels"] != -100).sum())
+        return int((batch.targets["labels"] != -100).sum())
 
     def __call__(self, model, batch):
         return lm_objective(model, batch)
@@ -60,7 +62,8 @@ def prompts_dataset() -> Dataset:
 
 
 def collate_prompts(rows):
-    return {"input_ids": torch.tensor([r["input_ids"] for r in rows])}
+    ids = torch.tensor([r["input_ids"] for r in rows])
+    return Batch({"input_ids": ids}, num_rows=len(rows), num_tokens=ids.numel())
 
 
 def sgd_cfg(out, model_dir, **keys):
