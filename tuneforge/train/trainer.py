@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import set_seed
 
+from tuneforge.batch import Batch
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
@@ -43,7 +44,7 @@ from tuneforge.train.strategy import Strategy, build_strategy
 
 logger = logging.getLogger(__name__)
 
-Collator = Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]
+Collator = Callable[[list[dict[str, Any]]], Batch]  # rows -> tuneforge.batch.Batch
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -353,7 +354,7 @@ class Trainer:
         with self.strategy.weights_usable(), self._autocast():
             return self.prepare(self.model, self._to_device(batch))
 
-    def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+    def _to_device(self, batch: Batch) -> Batch:
         return batch.to(self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
