@@ -17,7 +17,7 @@ def cfg(tmp_path, **keys):
 @pytest.mark.parametrize(
     ("keys", "ask", "message", "fields"),
     [
-        ({"stage": "rm"}, "Who are you?", "--ask needs a model that writes answers", ()),
+        ({"stage": "rm"}, "Who are you?", "--ask needs a model that writes answers; stage rm trains a reward model", ("stage",)),
         ({"do_train": False}, None, "nothing to do", ("do_train", "do_eval", "do_predict")),
     ],
 )

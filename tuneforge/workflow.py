@@ -93,8 +93,8 @@ def check_request(cfg: RunConfig, ask: str | None) -> None:
     """What a run asks beyond its config, checked before anything starts."""
     stage = stage_of(cfg.method.stage)
     if ask and not stage.writes_text:
-        raise ConfigError(f"--ask needs a model that writes answers; stage {stage.name} trains a model that does not "
-                          f"({stage.summary})")
+        raise ConfigError(f"--ask needs a model that writes answers; stage {stage.name} trains {stage.summary}",
+                          key="stage")
     if ask and cfg.train.fsdp:
         raise ConfigError("--ask does not run on a sharded (fsdp) model yet; ask with `tuneforge chat` after training")
     if ask and cfg.train.deepspeed:
