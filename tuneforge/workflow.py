@@ -31,7 +31,7 @@ from tuneforge.stages import STAGES, stage_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STAGES", "ask_model", "prepare_data", "run"]
+__all__ = ["STAGES", "ask_model", "batch_layout", "prepare_data", "run", "train"]
 
 
 def seed_everything(seed: int) -> None:

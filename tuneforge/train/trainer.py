@@ -349,7 +349,7 @@ class Trainer:
                           reduced["counts"], stop)
 
     @torch.no_grad()
-    def _prepared(self, batch: Mapping[str, Any]) -> Any:
+    def _prepared(self, batch: Batch) -> Batch:
         """objective.prepare(model, batch) on the device, outside the strategy's wrapper (weights usable)."""
         with self.strategy.weights_usable(), self._autocast():
             return self.prepare(self.model, self._to_device(batch))
