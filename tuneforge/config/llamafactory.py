@@ -64,8 +64,7 @@ NOT_YET: tuple[str, ...] = (
     "swanlab_lark_secret", "pure_bf16", "freeze_vision_tower", "freeze_multi_modal_projector",
     "freeze_language_model", "compute_accuracy", "disable_shuffling",
     "ppo_buffer_size", "ppo_epochs", "ppo_score_norm",
-    "ppo_target", "ppo_whiten_rewards", "ref_model_quantization_bit", "reward_model", "reward_model_adapters",
-    "reward_model_quantization_bit", "reward_model_type", "ld_alpha",
+    "ppo_target", "ppo_whiten_rewards", "ref_model_quantization_bit", "ld_alpha",
     "ray_storage_filesystem",
     # training
     "eval_accumulation_steps", "eval_delay", "tf32", "data_seed",

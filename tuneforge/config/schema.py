@@ -162,6 +162,44 @@ class TrainArgs:
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
 
 
+REWARD_MODEL_TYPES = ("lora", "full", "api")
+SCALE_REWARDS = ("group", "batch", "none")
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+
+
+@dataclass
+class RLArgs:
+    """The RL stages (grpo, ppo): rollouts are sampled with the generate keys (temperature, top_p, top_k, ...)
+    and stop at the chat template's end of turn, as chat does."""
+
+    num_generations: int = opt(8, help="grpo: completions sampled per prompt (a group)")
+    max_completion_length: int = opt(256, help="most tokens of one sampled completion")
+    mask_truncated_completions: bool = opt(False, help="completions cut at max_completion_length get no loss")
+    reward_funcs: list[str] | None = opt(help="rewards: built-in names (accuracy, format, think_format, length) "
+                                              "or module:function / path/to/file.py:function")
+    reward_weights: list[float] | None = opt(help="weight of each reward (reward_funcs, then the reward model); default 1 each")
+    reward_answer_column: str | None = opt(help="accuracy: the column holding the right answer (default: the first "
+                                                "of answer, solution, ground_truth the data has)")
+    reward_format_pattern: str | None = opt(help="format: a regular expression the whole completion must match")
+    overlong_buffer: int | None = opt(help="length: completions longer than max_completion_length minus this many "
+                                           "tokens are penalized linearly, down to -1 (default: a quarter of it)")
+    reward_model: str | None = opt(help="a reward model: a stage rm output folder (or its base model with "
+                                        "reward_model_adapters), or the URL of a score server (reward_model_type api)")
+    reward_model_adapters: list[str] | None = opt(help="the rm adapter folder(s) on reward_model")
+    reward_model_type: str = opt("lora", choices=REWARD_MODEL_TYPES, help="lora, full, or api (an HTTP "
+                                 "/v1/score/evaluation server, e.g. tuneforge api on an rm output)")
+    reward_model_quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="load the reward model in 4 or 8 bit")
+    scale_rewards: str = opt("group", choices=SCALE_REWARDS, help="grpo: divide advantages by the std of the group's "
+                             "rewards, of the whole batch's, or none")
+    loss_type: str = opt("dapo", choices=GRPO_LOSS_TYPES, help="grpo: how token losses are averaged: grpo (per "
+                         "completion), dr_grpo (by max_completion_length), dapo (by the batch's tokens), bnpo (by "
+                         "each micro-batch's tokens)")
+    epsilon: float = opt(0.2, help="grpo: clipping range of the probability ratio (lower side)")
+    epsilon_high: float | None = opt(help="grpo: upper clipping range (default: epsilon)")
+    num_iterations: int = opt(1, help="grpo: optimizer steps per batch of sampled completions")
+    beta: float = opt(0.0, help="grpo: weight of the KL penalty to the reference (0: no reference)")
+
+
 @dataclass
 class GenerateArgs:
     """How chat, api and eval generate text (LlamaFactory's generating arguments and defaults)."""
@@ -226,7 +264,7 @@ class RayArgs:
 
 GROUPS = {
     "model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs,
-    "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs, "ray": RayArgs,
+    "rl": RLArgs, "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs, "ray": RayArgs,
 }
 
 
@@ -236,6 +274,7 @@ class RunConfig:
     method: MethodArgs = field(default_factory=MethodArgs)
     data: DataArgs = field(default_factory=DataArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
+    rl: RLArgs = field(default_factory=RLArgs)
     generate: GenerateArgs = field(default_factory=GenerateArgs)
     export: ExportArgs = field(default_factory=ExportArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
