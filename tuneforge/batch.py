@@ -8,22 +8,31 @@ A collated micro-batch is a `Batch`:
   target_positions / target_ids / target_sequences, kto_tags, ref_logps, and later rewards or advantages).
 - `layout`: how the rows are laid out, decided once by the workflow, never guessed from column names.
 - `num_rows` / `num_tokens`: dataset rows and real (non-padding) tokens, counted by the collator from the rows
-  as they were before padding or prompt sharing, for the trainer's throughput figures.
+  as they were before padding or prompt sharing, for the trainer's throughput figures (an objective that samples
+  adds the completions' tokens in its prepare).
+- `sample_seeds`: for objectives that sample (prepare), one seed per dataset row, a function of the run's seed,
+  the epoch and the row's index, set by the trainer: what a row samples does not depend on the micro-batch or
+  the process it lands in, and a resumed run samples what the uninterrupted one did.
+
+Prompt rows (the RL stages) collate to no model inputs at all: `targets` holds `prompt_ids` (a list of token-id
+lists) and `columns` (each row's other dataset columns, for the rewards); the objective's prepare samples the
+completions and builds the model inputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-ROW_KINDS = ("plain", "pairwise", "feedback")
+ROW_KINDS = ("plain", "pairwise", "feedback", "prompt")
 PAIRED_ROWS = ("pairwise", "feedback")  # row kinds that hold two sequences on one prompt
 
 
 @dataclass(frozen=True)
 class Layout:
-    """rows: what one dataset row holds: plain (one sequence), pairwise (chosen + rejected) or feedback (a judged
-    answer + its KL pair). flat: padding-free, the micro-batch is one row with its sequences back to back.
+    """rows: what one dataset row holds: plain (one sequence), pairwise (chosen + rejected), feedback (a judged
+    answer + its KL pair) or prompt (a prompt to sample completions from: the RL stages). flat: padding-free, the micro-batch is one row with its sequences back to back.
     packed: a row holds several samples (position ids restart at 0 inside it). shared_prefix: a pair's two
     sequences share one copy of their prompt (flat only)."""
 
@@ -54,6 +63,7 @@ class Batch:
     layout: Layout = field(default_factory=Layout)
     num_rows: int = 0
     num_tokens: int = 0
+    sample_seeds: tuple[int, ...] | None = None
 
     def to(self, device: Any) -> Batch:
         """The same batch with its tensors on device (non-tensor values as they are)."""
@@ -63,3 +73,10 @@ class Batch:
                     for k, v in values.items()}
 
         return replace(self, model_inputs=move(self.model_inputs), targets=move(self.targets))
+
+
+def sample_seed(*parts: Any) -> int:
+    """A 63-bit seed from its parts (the run's seed, the epoch, a row's index, a completion's number, ...): the
+    same parts give the same seed, different parts unrelated ones."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

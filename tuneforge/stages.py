@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # when a stage compares the policy with a reference model
-REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS = "never", "always", "by_loss"
-REFERENCE_RULES = (REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS)
+# by_loss: as the pref_loss row says; by_kl: when the KL penalty's weight (beta) is above 0
+REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS, REFERENCE_BY_KL = "never", "always", "by_loss", "by_kl"
+REFERENCE_RULES = (REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS, REFERENCE_BY_KL)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Stage:
     objective's name in the objective registry (tuneforge.train.objectives). packs_by_default / can_pack:
     whether rows are packed when `packing` is not set, and whether packing is allowed at all (a stage that
     compares whole sequences cannot pack). reference: never, always, or by_loss (the pref_loss row decides).
-    value_head: the model gets a scalar value head (and saves it). pref_loss: the pref_loss key applies.
+    value_head: the model gets a scalar value head (and saves it). samples: the objective samples completions
+    during training (an RL stage: its rows are prompts, rewards score what it samples). pref_loss: the pref_loss key applies.
     perplexity: the objective's loss is a mean token negative log-likelihood, so evaluation reports
     exp(loss) and `tuneforge eval` can measure it. writes_text: the trained model answers in text (so `--ask`
     and generation make sense). planned: listed, not built yet (validation refuses it).
@@ -53,6 +55,7 @@ class Stage:
     pref_loss: bool = False
     perplexity: bool = False
     writes_text: bool = True
+    samples: bool = False
     planned: bool = False
 
     def __post_init__(self) -> None:
@@ -133,11 +136,13 @@ def words(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def uses_reference(stage: str, pref_loss: str) -> bool:
-    """Whether the stage (with this pref_loss) compares the policy with a reference model."""
+def uses_reference(stage: str, pref_loss: str, beta: float = 0.0) -> bool:
+    """Whether the stage (with this pref_loss, or this KL weight beta) compares the policy with a reference."""
     rule = STAGES[stage].reference
     if rule == REFERENCE_BY_LOSS:
         return PREF_LOSSES[pref_loss].needs_reference
+    if rule == REFERENCE_BY_KL:
+        return beta > 0
     return rule == REFERENCE_ALWAYS
 
 
@@ -225,8 +230,9 @@ for _stage in (
           can_pack=False, reference=REFERENCE_BY_LOSS, pref_loss=True),
     Stage("kto", "feedback", ("feedback",), "feedback", "kto", "KTO on desirable / undesirable answers",
           can_pack=False, reference=REFERENCE_ALWAYS),
-    Stage("grpo", None, ("plain",), "plain", None, "generate G answers, score, clipped policy gradient",
-          can_pack=False, planned=True),
+    Stage("grpo", "prompt", ("plain",), "prompt", "grpo", "sample num_generations answers per prompt, score them "
+          "with the rewards, clipped policy gradient on group-normalized advantages", can_pack=False,
+          reference=REFERENCE_BY_KL, samples=True),
 ):
     register_stage(_stage)
 

@@ -26,7 +26,7 @@ from typing import Any
 from tuneforge.batch import PAIRED_ROWS, Layout
 from tuneforge.config import RunConfig
 from tuneforge.config.validate import uses_reference
-from tuneforge.errors import ConfigError
+from tuneforge.errors import ConfigError, DataError
 from tuneforge.stages import STAGES, stage_of
 
 logger = logging.getLogger(__name__)
@@ -164,6 +164,14 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     )
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
+    if stage.samples:  # a reward reads a column the data lacks: say so before the weights load
+        from tuneforge.rewards import required_columns
+
+        for name, entry in splits.stats.get("datasets", {}).items():
+            try:
+                required_columns(cfg, entry.get("columns") or [])
+            except DataError as e:
+                raise DataError(f"dataset '{name}': {e}") from None
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
     layout = batch_layout(cfg, splits, model)
     before = ask_model(cfg, model, tokenizer, ask) if ask else None
@@ -188,17 +196,11 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
 
 def rollout_generator(cfg: RunConfig, tokenizer):
     """What an objective's prepare generates with (infer.generation.completion_generator: the stops and sampling
-    settings chat and eval use), built on its first call, so a stage that never samples never renders a template."""
-    built = []
+    settings chat and eval use) and, for the RL stages, decodes, collates and scores with (tuneforge/rollout.py);
+    each part is built on first use, so a stage that never samples never renders a template."""
+    from tuneforge.rollout import Rollouts
 
-    def generate(model, prompts, **overrides):
-        if not built:
-            from tuneforge.infer.generation import completion_generator
-
-            built.append(completion_generator(cfg, tokenizer))
-        return built[0](model, prompts, **overrides)
-
-    return generate
+    return Rollouts(cfg, tokenizer)
 
 
 def ask_model(cfg: RunConfig, model, tokenizer, question: str) -> str:

@@ -46,7 +46,7 @@ def cfg(tmp_path, **kw):
         ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "sigmoid only"),
         ({"stage": "kto", "kto_rejected_weight": 0}, "must be > 0"),
         ({"stage": "dpo", "ref_model_adapters": "a"}, "ref_model_adapters needs ref_model"),
-        ({"stage": "sft", "ref_model": "m"}, "ref_model is for stages dpo and kto"),
+        ({"stage": "sft", "ref_model": "m"}, "ref_model is for stages dpo, kto and grpo"),
         ({"stage": "rm", "precompute_ref_log_probs": True}, "stage rm has no reference model"),
         ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "simpo uses no reference model"),
         ({"stage": "dpo", "pref_loss": "orpo", "precompute_ref_log_probs": True}, "orpo uses no reference"),

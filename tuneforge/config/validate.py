@@ -9,9 +9,11 @@ from pathlib import Path
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
 from tuneforge.config.processes import planned_processes
+from tuneforge.config.rl import check_rl
 from tuneforge.config.schema import RunConfig
 from tuneforge.errors import ConfigError
 from tuneforge.stages import (
+    REFERENCE_BY_KL,
     REFERENCE_NEVER,
     STAGES,
     built_stages,
@@ -81,6 +83,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
         fail("adapter_name_or_path needs finetuning_type lora or oft", key=("adapter_name_or_path", "finetuning_type"))
     _check_preference(cfg, fail)
+    check_rl(cfg, fail)
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
         deepspeed_settings(cfg)
     _check_fsdp(cfg, fail, for_training)
@@ -179,8 +182,8 @@ def _check_scheduler(cfg: RunConfig, fail) -> None:
 
 def uses_reference(cfg: RunConfig) -> bool:
     """True when the stage's loss compares the policy with a reference model (the stage table's row says
-    always, never, or as its pref_loss row says: dpo except orpo / simpo; kto)."""
-    return stage_uses_reference(cfg.method.stage, cfg.method.pref_loss)
+    always, never, as its pref_loss row says (dpo except orpo / simpo; kto), or when beta > 0 (grpo))."""
+    return stage_uses_reference(cfg.method.stage, cfg.method.pref_loss, cfg.rl.beta)
 
 
 def _check_preference(cfg: RunConfig, fail) -> None:
@@ -208,6 +211,9 @@ def _check_preference(cfg: RunConfig, fail) -> None:
     if not uses_reference(cfg):
         if me.ref_model or me.precompute_ref_log_probs:
             key = "ref_model" if me.ref_model else "precompute_ref_log_probs"
+            if stage.reference == REFERENCE_BY_KL:
+                fail(f"stage {me.stage} uses a reference only for its KL penalty, and beta is 0; set beta > 0 or "
+                     f"drop {key}", key=(key, "beta"))
             fail(f"pref_loss {me.pref_loss} uses no reference model; drop {key}", key=key)
         return
     if me.pissa_init and me.finetuning_type == "lora" and not me.ref_model:

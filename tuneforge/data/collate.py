@@ -33,9 +33,10 @@ import torch
 from tuneforge.batch import Batch, Layout
 from tuneforge.data.encode import IGNORE_INDEX
 from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
+from tuneforge.data.encode_prompt import row_columns
 
 # the column prefixes of the sequences one row holds, per row kind of the layout
-ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), **SEQUENCE_PREFIXES}
+ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), "prompt": ("",), **SEQUENCE_PREFIXES}
 # per row kind, columns of a row that become targets of the batch: row column -> target name (one value a row)
 ROW_TARGETS: dict[str, dict[str, str]] = {"feedback": {"kto_tag": "kto_tags"}}
 
@@ -79,6 +80,9 @@ class Collator:
                                  f"{self.layout.rows} rows hold")
         if self.layout.rows == "plain":
             model_inputs, targets = self._plain(rows)
+        elif self.layout.rows == "prompt":  # the objective's prepare samples completions and builds the inputs
+            model_inputs = {}
+            targets = {"prompt_ids": [list(r["input_ids"]) for r in rows], "columns": [row_columns(r) for r in rows]}
         else:
             model_inputs, targets = self._preference(rows, prefixes)
         return Batch(model_inputs, targets, self.layout, num_rows=len(rows), num_tokens=count_tokens(rows, prefixes))
@@ -128,6 +132,11 @@ class Collator:
             for p in prefixes
             for r in rows
         ]
+        return self.sequences(sequences)
+
+    def sequences(self, sequences: list[dict[str, Any]]) -> Columns:
+        """S sequences ({input_ids, labels[, attention_mask]}) collated one per row, or back to back when flat, with
+        `sequence_ids` and `sequence_ends` among the targets (the RL objectives collate their completions so)."""
         model_inputs, targets = self._plain(sequences)
         lengths = torch.tensor([len(s["input_ids"]) for s in sequences], dtype=torch.long)
         width = model_inputs["input_ids"].shape[1]

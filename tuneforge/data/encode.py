@@ -28,6 +28,7 @@ class EncodeSettings:
     mask_history: bool = False
     default_system: str | None = None
     skip_bad_rows: bool = False
+    completion_room: int = 0  # prompt encoders: tokens kept free for the sampled completion
 
 
 KIND_WORDS = {

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tuneforge.data import encode, encode_pref
+from tuneforge.data import encode, encode_pref, encode_prompt
 from tuneforge.data.encode_pref import SEQUENCE_PREFIXES
 
 # how one encoded row shows in a preview: (marked(prefix, i) -> text, the encoded batch, i) -> text
@@ -31,6 +31,10 @@ def _show_pairwise(marked: Callable[[str, int], str], enc: dict[str, list], i: i
 KTO_TAGS = {1: "[kto_tag: true (desirable)]", 0: "[kto_tag: false (undesirable)]"}
 
 
+def _show_prompt(marked: Callable[[str, int], str], enc: dict[str, list], i: int) -> str:
+    return f"{marked('', i)}\n[columns for the rewards: {enc[encode_prompt.COLUMNS][i]}]"
+
+
 def _show_feedback(marked: Callable[[str, int], str], enc: dict[str, list], i: int) -> str:
     return f"{KTO_TAGS[enc['kto_tag'][i]]}\n{marked('', i)}"
 
@@ -45,6 +49,7 @@ class Encoder:
     needs_response: bool = False  # an alpaca dataset must name a response column
     batch_dependent: bool = False  # the output depends on the map's batches: batching joins the cache key
     sequences: tuple[str, ...] = ("",)  # column prefixes of the sequences of one row, in collated order
+    samples_completions: bool = False  # rows are prompts; max_completion_length tokens stay free in cutoff_len
     show: Show = _show_plain
 
 
@@ -72,3 +77,5 @@ register_encoder(Encoder("pairwise", encode_pref.encode_pairwise, encode_pref.pa
                          sequences=SEQUENCE_PREFIXES["pairwise"], show=_show_pairwise))
 register_encoder(Encoder("feedback", encode_pref.encode_feedback, encode_pref.feedback_features,
                          batch_dependent=True, sequences=SEQUENCE_PREFIXES["feedback"], show=_show_feedback))
+register_encoder(Encoder("prompt", encode_prompt.encode_prompts, encode_prompt.prompt_features,
+                         samples_completions=True, show=_show_prompt))

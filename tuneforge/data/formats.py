@@ -34,12 +34,13 @@ class Conversation:
         return head + [dict(m) for m in self.messages]
 
 
-def required_columns(attr: DatasetAttr, documents: bool = False) -> list[str]:
-    """documents: the rows are read as plain text documents (the pretrain encoder)."""
+def required_columns(attr: DatasetAttr, documents: bool = False, prompts: bool = False) -> list[str]:
+    """documents: the rows are read as plain text documents (the pretrain encoder); prompts: only the prompt
+    is read (the RL stages sample the answers)."""
     if attr.formatting == "alpaca":
         # a ranking row's answers are in its chosen / rejected columns, not in a response column
         keys: tuple[str, ...] = (
-            ("prompt",) if documents or attr.kind == "pairwise" else ("prompt", "response")
+            ("prompt",) if documents or prompts or attr.kind == "pairwise" else ("prompt", "response")
         )
     else:
         keys = ("messages",)
@@ -48,7 +49,8 @@ def required_columns(attr: DatasetAttr, documents: bool = False) -> list[str]:
 
 
 def check_columns(
-    attr: DatasetAttr, column_names: list[str], stage: str, *, documents: bool = False, needs_response: bool = False
+    attr: DatasetAttr, column_names: list[str], stage: str, *, documents: bool = False, needs_response: bool = False,
+    prompts: bool = False,
 ) -> None:
     """Stop before encoding when a column the stage needs is missing from the whole dataset.
 
@@ -72,7 +74,7 @@ def check_columns(
             f"dataset '{attr.name}' has ranking: true, so columns must name its chosen and rejected "
             f'columns (e.g. "chosen": "chosen", "rejected": "rejected") in dataset_info.json'
         )
-    missing = [c for c in required_columns(attr, documents) if c not in column_names]
+    missing = [c for c in required_columns(attr, documents, prompts) if c not in column_names]
     if missing:
         raise DataError(
             f"dataset '{attr.name}': column '{missing[0]}' is not in the data (it has "
@@ -127,7 +129,7 @@ def to_conversation(
 
 
 def _from_alpaca(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
-    conv = _alpaca_prompt(row, attr)
+    conv = alpaca_prompt(row, attr)
     response = _text(row, attr.column("response"), "response", required=True)
     if not conv.messages[-1]["content"] and not response and len(conv.messages) == 1:
         raise BadRow("empty conversation (no prompt and no response)")
@@ -135,7 +137,7 @@ def _from_alpaca(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
     return conv
 
 
-def _alpaca_prompt(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
+def alpaca_prompt(row: dict[str, Any], attr: DatasetAttr) -> Conversation:
     """The history, then the prompt (and query) as the last user turn."""
     messages: list[dict[str, str]] = []
     history_column = attr.column("history")
@@ -268,7 +270,7 @@ def to_pairwise(row: dict[str, Any], attr: DatasetAttr, *, default_system: str |
     hold one assistant message, written with the dataset's tags.
     """
     if attr.formatting == "alpaca":
-        prompt = _alpaca_prompt(row, attr)
+        prompt = alpaca_prompt(row, attr)
         chosen = _text(row, attr.column("chosen"), "chosen", required=True)
         rejected = _text(row, attr.column("rejected"), "rejected", required=True)
     else:

@@ -57,6 +57,7 @@ class _Plan:
             mask_history=d.mask_history,
             default_system=d.default_system,
             skip_bad_rows=d.skip_bad_rows,
+            completion_room=cfg.rl.max_completion_length if self.encoder.samples_completions else 0,
         )
         self.packing = spec.can_pack and (
             bool(d.neat_packing) or (d.packing if d.packing is not None else spec.packs_by_default)
@@ -84,6 +85,7 @@ class _Plan:
             "seed": t.seed,
             "default_system": d.default_system,
             "skip_bad_rows": d.skip_bad_rows,
+            "completion_room": self.settings.completion_room,
         }
         if self.encoder.batch_dependent:  # e.g. kto's KL pairs, drawn within each batch of each worker's shard
             material["kl_batches"] = [d.preprocessing_batch_size, d.preprocessing_num_workers]
@@ -149,6 +151,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         "truncated": counts["ok_truncated"],
         "empty_documents": counts["empty"],
         "samples": len(kept),
+        "columns": raw.column_names,  # what the rows held (the RL stages' rewards read some of them)
     }
     if entry["bad_rows"]:
         logger.warning(
@@ -173,7 +176,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
 
 def _check_columns(plan: _Plan, attr: DatasetAttr, column_names: list[str]) -> None:
     formats.check_columns(attr, column_names, plan.stage, documents=plan.encoder.documents,
-                          needs_response=plan.encoder.needs_response)
+                          needs_response=plan.encoder.needs_response, prompts=plan.encoder.samples_completions)
 
 
 def _mix(plan: _Plan, parts: list[Any]) -> Any:
@@ -239,8 +242,10 @@ def _token_counts(ds: Any, prefixes: tuple[str, ...]) -> dict[str, int]:
     for table in ds.with_format("arrow").iter(batch_size=10_000):
         rows += table.num_rows
         for prefix in prefixes:
-            labels = table[f"{prefix}labels"]
             tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
+            if f"{prefix}labels" not in table.column_names:  # prompt rows (grpo): nothing supervised yet
+                continue
+            labels = table[f"{prefix}labels"]
             flat = pc.list_flatten(labels)
             first = pc.list_element(labels, 0)
             supervised += (pc.sum(pc.not_equal(flat, encode.IGNORE_INDEX)).as_py() or 0) - (
@@ -373,7 +378,9 @@ def _preview_texts(plan: _Plan, attr: DatasetAttr, count: int) -> list[str]:
     kept = [i for i, s in enumerate(enc["_status"]) if s in encode.KEPT][:count]
 
     def marked(prefix: str, i: int) -> str:
-        return mark_supervised(tok, enc[f"{prefix}input_ids"][i], enc[f"{prefix}labels"][i])
+        ids = enc[f"{prefix}input_ids"][i]
+        labels = enc[f"{prefix}labels"][i] if f"{prefix}labels" in enc else [encode.IGNORE_INDEX] * len(ids)
+        return mark_supervised(tok, ids, labels)  # a prompt row (grpo) has no labels: nothing is marked
 
     return [plan.encoder.show(marked, enc, i) for i in kept]
 

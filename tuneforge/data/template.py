@@ -204,6 +204,17 @@ def _render(
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
 
 
+def render_prompt(
+    tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | str | None = None
+) -> list[int]:
+    """Token ids of a conversation up to the assistant's next turn, the generation prompt included, tokenized
+    as training tokenizes (chat, eval and the RL stages' prompts all start from this)."""
+    if isinstance(tools, str):
+        tools = parse_tools(tools)
+    text = _render(tokenizer, template, messages, tools or None, True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def render(tokenizer: Any, template: ChatTemplate, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
     """The text of the whole conversation and the character span of each assistant turn."""
     messages = conv.chat_messages()

@@ -10,13 +10,14 @@ fine-tuned model that is only stopped at eos runs on past its answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tuneforge.data.template import ChatTemplate, parse_tools, resolve_template
+from tuneforge.data.template import ChatTemplate, render_prompt, resolve_template
 from tuneforge.errors import DataError
 
 if TYPE_CHECKING:
@@ -58,18 +59,6 @@ def end_of_turn(tokenizer: Any, template: ChatTemplate) -> Stops:
         else:
             strings.append(marker)
     return Stops(tuple(dict.fromkeys(ids)), tuple(strings))
-
-
-def render_prompt(
-    tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | str | None = None
-) -> list[int]:
-    """Token ids of a conversation up to the assistant's next turn (tokenized as training tokenizes)."""
-    if isinstance(tools, str):
-        tools = parse_tools(tools)
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, chat_template=template.source, tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def generate_kwargs(gen: GenerateArgs, tokenizer: Any, stops: Stops) -> dict[str, Any]:
@@ -118,6 +107,40 @@ def answer(model: Any, tokenizer: Any, template: ChatTemplate, question: str, *,
 GenerateCompletions = Callable[..., list[list[int]]]
 
 
+class SeededSampling:
+    """A logits processor that samples every row of the batch from its own random generator (seeded per row),
+    and leaves only the drawn token possible, so that greedy decoding takes it.
+
+    transformers' sampling draws the whole batch from one generator, so what a row samples depends on the rows
+    beside it; here it depends only on the row's seed. The sampling settings (temperature, top_k, top_p) are
+    applied first, with transformers' own warpers."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float | None, top_k: int | None, top_p: float | None) -> None:
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.seeds = list(seeds)
+        self.generators: list[torch.Generator] | None = None
+        self.warpers: list[Any] = []
+        if temperature is not None and temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:
+            if scores.shape[0] != len(self.seeds):
+                raise ValueError(f"{len(self.seeds)} seeds for a batch of {scores.shape[0]} rows")
+            self.generators = [torch.Generator(scores.device).manual_seed(s) for s in self.seeds]
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1)
+        picks = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators, strict=True)])
+        only = torch.full_like(scores, -math.inf)
+        return only.scatter_(1, picks.unsqueeze(1), 0.0)
+
+
 def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
     """A function that generates completions of token-id prompts as chat and eval do: the same stop tokens (eos
     and the chat template's end of turn) and sampling settings (the generate keys: do_sample, temperature,
@@ -129,7 +152,8 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
     train / eval mode is restored afterwards). prompts: token-id lists (rendered with the chat template, e.g.
     render_prompt), left-padded together into one batch. overrides: `model.generate` keywords that replace the
     configured ones (max_new_tokens=..., do_sample=False, num_return_sequences=G: G completions per prompt,
-    one after the other). Returns the completions only (no prompt, no padding), each up to and including the
+    one after the other), and `seeds`: one seed per completion, each sampled from its own generator
+    (SeededSampling), so a completion does not depend on the prompts it is batched with. Returns the completions only (no prompt, no padding), each up to and including the
     stop token that ended it (absent when it ran to max_new_tokens). In a run of several processes it generates
     with synced_gpus (every rank keeps taking forwards until all have finished), so every rank must call it the
     same number of times, as the trainer's prepare calls are."""
@@ -138,10 +162,14 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
     pad_id = configured["pad_token_id"]
 
     @torch.no_grad()
-    def generate(model: Any, prompts: Sequence[Sequence[int]] | torch.Tensor, **overrides: Any) -> list[list[int]]:
+    def generate(model: Any, prompts: Sequence[Sequence[int]] | torch.Tensor, *, seeds: Sequence[int] | None = None,
+                 **overrides: Any) -> list[list[int]]:
         rows = prompts.tolist() if torch.is_tensor(prompts) else [list(p) for p in prompts]
         if not rows:
             return []
+        if seeds is not None:  # seeded rows decode greedily over their own draws: one row per completion
+            copies = overrides.pop("num_return_sequences", 1)
+            rows = [r for r in rows for _ in range(copies)]
         width = max(len(r) for r in rows)
         device = next(model.parameters()).device
         ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
@@ -150,6 +178,10 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
         if overrides.get("do_sample") is False:  # greedy: no sampling settings (transformers warns of them)
             kwargs.update(temperature=None, top_p=None, top_k=None)
         kwargs.update(overrides)
+        if seeds is not None and kwargs.get("do_sample"):  # each row draws from its own seeded generator
+            sampler = SeededSampling(seeds, kwargs.pop("temperature"), kwargs.pop("top_k"), kwargs.pop("top_p"))
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None,
+                          logits_processor=[*kwargs.get("logits_processor", []), sampler])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             kwargs.setdefault("synced_gpus", torch.distributed.get_world_size() > 1)
         was_training = model.training

@@ -6,10 +6,15 @@ tokens for lm) counted and summed over all ranks, and each micro-batch back-prop
 loss_sum / total_units. The step's gradient is therefore the gradient of the whole batch's mean loss,
 however it is split into micro-batches or ranks.
 
-Rollouts: an objective may define `prepare(model, batch) -> batch`. The trainer calls it for every micro-batch
-of the step (and of an evaluation) after collation and the move to the device, under no_grad, with the plain
-model inside the strategy's `weights_usable()` context (outside DDP / FSDP / DeepSpeed's wrapper), and counts the
-units only after all of them: a unit known only after generation (a generated token) normalizes exactly too.
+Rollouts: an objective may define `prepare(model, batch) -> batch`, or `prepare_step(model, batches) -> batches`
+when it needs the whole step at once (advantages scaled over the step's rewards). The trainer calls it for the
+micro-batches of the step (and of an evaluation) after collation and the move to the device, under no_grad, with
+the plain model inside the strategy's `weights_usable()` context (outside DDP / FSDP / DeepSpeed's wrapper), and
+counts the units only after all of them: a unit known only after generation (a generated token) normalizes
+exactly too. Each batch then carries `sample_seeds`, one per row from (seed, epoch, row index), so what a row
+samples does not depend on where it lands. An objective with `iterations` > 1 (grpo's num_iterations) is stepped
+that many times on each prepared group of micro-batches before the data moves on; checkpoints (and stop
+requests) fall between groups, so a resumed run prepares exactly what the uninterrupted one did.
 
 How it runs on one or many processes is the Strategy's business (train/strategy.py); the run hooks (progress,
 trainer_log.jsonl, reporters, plots, stop requests) are callbacks (train/callbacks.py). A stop request (SIGINT /
@@ -25,7 +30,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ import torch
 import torch.distributed as dist
 from transformers import set_seed
 
-from tuneforge.batch import Batch
+from tuneforge.batch import Batch, sample_seed
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
@@ -205,8 +210,13 @@ class Trainer:
         t = cfg.train
         self.cfg, self.model, self.tokenizer, self.objective = cfg, model, tokenizer, objective
         self.train_dataset, self.eval_dataset, self.collator = train_dataset, eval_dataset, collator
-        # rollouts and other work before the forward: prepare(model, batch) -> batch, under no_grad
+        # rollouts and other work before the forward, under no_grad: per micro-batch or for the whole step
         self.prepare = getattr(objective, "prepare", None)
+        self.prepare_step = getattr(objective, "prepare_step", None)
+        self.samples = self.prepare is not None or self.prepare_step is not None
+        # optimizer steps per prepared group of micro-batches (grpo's num_iterations)
+        self.iterations = max(int(getattr(objective, "iterations", 1)), 1)
+        self.finish_metrics = getattr(objective, "finish_metrics", None)
         self.extra_callbacks = list(callbacks)
         self.output_dir = Path(t.output_dir or ".")
         self.rank, self.world_size = rank_and_world_size()
@@ -221,7 +231,7 @@ class Trainer:
         num_rows = len(train_dataset) if train_dataset is not None else 0
         padded_rows = math.ceil(num_rows / self.world_size) * self.world_size
         self.micro_batches_per_epoch = math.ceil(padded_rows / (t.per_device_train_batch_size * self.world_size))
-        steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps)
+        steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps) * self.iterations
         self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
         if t.fp16 and self.device.type != "cuda":
             logger.warning("fp16 on %s runs without loss scaling; bf16 is the safer choice", self.device.type)
@@ -241,7 +251,7 @@ class Trainer:
         self.step_module = self.strategy.wrap(objective, make_optimizer)  # forward(batch) = the objective's call
         # every rank runs each evaluation forward when each gathers weights from all ranks, and when prepare may
         # generate (under several processes, generation keeps the ranks in step token by token)
-        self.same_eval_count = self.strategy.gathers_weights or self.prepare is not None
+        self.same_eval_count = self.strategy.gathers_weights or self.samples
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
@@ -264,15 +274,18 @@ class Trainer:
         if t.eval_on_start and resumed_from is None:  # the untrained model's figures, to compare against
             self._evaluate_and_track()
         self.model.train()
-        window, stop_reason, stopped = Window(), None, None
+        window, stop_reason, stopped, pending_stop = Window(), None, None, None
         while self.state.global_step < self.total_steps and stop_reason is None and stopped is None:
-            for group in self._accumulation_groups():
-                result = self._optimizer_step(group)
-                epoch_ended = self._advance(len(group), result)
+            for group, iteration in self._accumulation_groups():
+                last_iteration = iteration == self.iterations - 1
+                result = self._optimizer_step(group, reuse=iteration > 0)
+                epoch_ended = self._advance(len(group) if last_iteration else 0, result)
                 window.add(result)
                 step = self.state.global_step
                 if result.stop is not None and step < self.total_steps:
-                    stopped = result.stop
+                    pending_stop = result.stop
+                if pending_stop is not None and last_iteration and step < self.total_steps:
+                    stopped = pending_stop  # between prepared groups, where a checkpoint can resume exactly
                 if step % t.logging_steps == 0 or stopped:
                     self._log_train(window)
                     window = Window()
@@ -301,13 +314,21 @@ class Trainer:
         self._finish(results, resumed_from, stopped)
         return results
 
-    def _optimizer_step(self, group: list[list[int]]) -> StepResult:
-        """[prepare] + forward + backward each micro-batch, normalized by the step's total units; clip; step."""
+    def _optimizer_step(self, group: list[list[int]], reuse: bool = False) -> StepResult:
+        """[prepare] + forward + backward each micro-batch, normalized by the step's total units; clip; step.
+
+        reuse: step on the micro-batches the previous step prepared (the objective's further iterations)."""
         t = self.cfg.train
-        rows = [[self.train_dataset[i] for i in indices] for indices in group]
-        batches = [self.collator(micro_batch_rows) for micro_batch_rows in rows]
-        if self.prepare is not None:  # rollouts first: units may only be known after them (generated tokens)
-            batches = [self._prepared(batch) for batch in batches]
+        if reuse:
+            batches = self._prepared_group
+        else:
+            rows = [[self.train_dataset[i] for i in indices] for indices in group]
+            batches = [self.collator(micro_batch_rows) for micro_batch_rows in rows]
+            if self.samples:  # rollouts first: units may only be known after them (generated tokens)
+                seeds = [[sample_seed(t.seed, self.state.epoch, i) for i in indices] for indices in group]
+                batches = self._prepared(batches, seeds)
+            if self.iterations > 1:
+                self._prepared_group = batches
         units, tokens = all_reduce_sum(
             [sum(self.objective.count(b) for b in batches), sum(b.num_tokens for b in batches)], self.device
         )
@@ -349,10 +370,14 @@ class Trainer:
                           reduced["counts"], stop)
 
     @torch.no_grad()
-    def _prepared(self, batch: Batch) -> Batch:
-        """objective.prepare(model, batch) on the device, outside the strategy's wrapper (weights usable)."""
+    def _prepared(self, batches: list[Batch], seeds: list[list[int]]) -> list[Batch]:
+        """The objective's prepare_step (or prepare of each micro-batch) on the device, outside the strategy's
+        wrapper (weights usable), each batch carrying its rows' sample seeds."""
+        batches = [replace(self._to_device(b), sample_seeds=tuple(s)) for b, s in zip(batches, seeds, strict=True)]
         with self.strategy.weights_usable(), self._autocast():
-            return self.prepare(self.model, self._to_device(batch))
+            if self.prepare_step is not None:
+                return list(self.prepare_step(self.model, batches))
+            return [self.prepare(self.model, batch) for batch in batches]
 
     def _to_device(self, batch: Batch) -> Batch:
         return batch.to(self.device)
@@ -360,8 +385,9 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast_context(self.cfg.train, self.device)
 
-    def _accumulation_groups(self) -> Iterator[list[list[int]]]:
-        """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time."""
+    def _accumulation_groups(self) -> Iterator[tuple[list[list[int]], int]]:
+        """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time, each group with
+        its iteration (0 .. iterations - 1: the objective steps that many times on one prepared group)."""
         t = self.cfg.train
         size, epoch = t.per_device_train_batch_size, self.state.epoch
         batches = epoch_micro_batches(
@@ -370,7 +396,8 @@ class Trainer:
         remaining = batches[self.state.batches_in_epoch :]
         ga = t.gradient_accumulation_steps
         for start in range(0, len(remaining), ga):
-            yield remaining[start : start + ga]
+            for iteration in range(self.iterations):
+                yield remaining[start : start + ga], iteration
 
     def _advance(self, micro_batches: int, result: StepResult) -> bool:
         """Count the step into the state; True when it finished an epoch."""
@@ -399,8 +426,8 @@ class Trainer:
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for indices, counted in batches:
             batch = self.collator([self.eval_dataset[i] for i in indices])
-            if self.prepare is not None:
-                batch = self._prepared(batch)
+            if self.samples:  # the same seeds at every evaluation: the figures compare across steps
+                batch = self._prepared([batch], [[sample_seed(self.cfg.train.seed, "eval", i) for i in indices]])[0]
             with self._autocast():
                 out = self.strategy.eval_forward(self._to_device(batch))
             if not counted:
@@ -421,7 +448,10 @@ class Trainer:
         metrics = {"eval_loss": loss_sum / units}
         if self.objective.reports_perplexity:
             metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
-        metrics.update({f"eval_{k}": v for k, v in metric_means(reduced["metrics"], reduced["counts"], units).items()})
+        means = metric_means(reduced["metrics"], reduced["counts"], units)
+        if self.finish_metrics is not None:
+            means = self.finish_metrics(means, evaluating=True)
+        metrics.update({f"eval_{k}": v for k, v in means.items()})
         return metrics
 
     def _evaluate_and_track(self) -> str | None:
@@ -455,7 +485,10 @@ class Trainer:
             "learning_rate": base_learning_rate(self.optimizer),
             "epoch": round(s.epoch_progress, 4),
         }
-        entry.update(metric_means(window.metrics, window.counts, max(window.units, 1)))
+        means = metric_means(window.metrics, window.counts, max(window.units, 1))
+        if self.finish_metrics is not None:  # e.g. standard deviations from the means of squares, sample texts
+            means = self.finish_metrics(means, evaluating=False)
+        entry.update(means)
         entry["step"] = s.global_step
         s.log_history.append(entry)
         self.callbacks.on_log(s, entry)

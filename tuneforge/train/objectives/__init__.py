@@ -58,6 +58,7 @@ class Objective(Protocol):
 
 
 # imported last: the objectives build on the types above
+from tuneforge.train.objectives.grpo import GRPOObjective  # noqa: E402
 from tuneforge.train.objectives.kto import KTOObjective  # noqa: E402
 from tuneforge.train.objectives.lm import LMObjective  # noqa: E402
 from tuneforge.train.objectives.preference import PreferenceObjective  # noqa: E402
@@ -73,8 +74,9 @@ lm_objective = LMObjective()
 
 # name -> factory(cfg, *, reference=None, generate=None) -> Objective. A stage's row (tuneforge/stages.py)
 # names its objective. reference: the frozen reference (AdapterReference / ModelReference) when the stage
-# uses one, else None. generate: a callable the workflow hands RL objectives to sample completions with
-# (None for the objectives here, which do not generate).
+# uses one, else None. generate: what the workflow hands objectives to sample completions with: callable as
+# generate(model, prompts, **overrides), and for RL objectives also decoding, collation and the rewards
+# (grpo.Rollouts; tuneforge/rollout.py builds it).
 ObjectiveFactory = Callable[..., Objective]
 OBJECTIVES: dict[str, ObjectiveFactory] = {}
 
@@ -106,10 +108,11 @@ register_objective("lm", lambda cfg, reference=None, generate=None: lm_objective
 register_objective("reward", lambda cfg, reference=None, generate=None: RewardObjective())
 register_objective("preference", lambda cfg, reference=None, generate=None: PreferenceObjective.from_config(cfg, reference))
 register_objective("kto", lambda cfg, reference=None, generate=None: KTOObjective.from_config(cfg, reference))
+register_objective("grpo", lambda cfg, reference=None, generate=None: GRPOObjective.from_config(cfg, reference, generate))
 
 
 __all__ = [
-    "OBJECTIVES", "AdapterReference", "Batch", "KTOObjective", "LMObjective", "ModelReference", "Objective",
+    "OBJECTIVES", "AdapterReference", "Batch", "GRPOObjective", "KTOObjective", "LMObjective", "ModelReference", "Objective",
     "ObjectiveFactory", "ObjectiveOutput", "PreferenceObjective", "Reference", "RewardObjective", "build_objective",
     "lm_objective", "reference_logps", "register_objective",
 ]

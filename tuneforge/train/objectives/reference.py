@@ -1,6 +1,7 @@
-"""The reference model of DPO / KTO: per-sequence log-probs of the frozen starting point.
+"""The reference model of DPO / KTO / GRPO: log-probs of the frozen starting point.
 
-Two kinds, one method `logps(policy_model, batch) -> (S,)`:
+Two kinds, two methods, `logps(policy_model, batch) -> (S,)` per sequence (dpo, kto) and
+`token_logps(policy_model, batch) -> (n,)` per supervised token (grpo's KL penalty):
 - AdapterReference: the policy itself with its peft adapters disabled (lora / oft): no second copy of
   the weights in memory.
 - ModelReference: a separate frozen model (a copy of the initial policy for full / freeze, or a
@@ -22,12 +23,17 @@ import torch
 from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
 from tuneforge.train.objectives.logps import sequence_logps
+from tuneforge.train.objectives.token_logps import token_logps
 
 
 @runtime_checkable
 class Reference(Protocol):
     def logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """(S,) fp32 summed log-probs of each sequence's supervised tokens under the reference."""
+        ...
+
+    def token_logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """(n,) fp32 log-probs of the batch's supervised targets under the reference (token_logps' order)."""
         ...
 
 
@@ -49,15 +55,25 @@ class AdapterReference:
         self.head, self.chunk_tokens = head, chunk_tokens
 
     def logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        with self._base(policy_model):
+            out = sequence_logps(policy_model, batch, head=self.head, chunk_tokens=self.chunk_tokens)
+        return out.logps.detach()
+
+    def token_logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        with self._base(policy_model):
+            return token_logps(policy_model, batch, head=self.head, chunk_tokens=self.chunk_tokens).detach()
+
+    def _base(self, policy_model: torch.nn.Module) -> contextlib.AbstractContextManager:
         if not hasattr(policy_model, "disable_adapter"):
             raise ConfigError(
                 f"the reference is the policy without its adapters, but {type(policy_model).__name__} has "
                 f"no peft adapters; use finetuning_type lora / oft, or give a separate reference model "
                 f"(ref_model) for full / freeze"
             )
-        with torch.no_grad(), eval_mode(policy_model), policy_model.disable_adapter():
-            out = sequence_logps(policy_model, batch, head=self.head, chunk_tokens=self.chunk_tokens)
-        return out.logps.detach()
+        stack = contextlib.ExitStack()
+        for context in (torch.no_grad(), eval_mode(policy_model), policy_model.disable_adapter()):
+            stack.enter_context(context)
+        return stack
 
 
 class ModelReference:
@@ -73,6 +89,10 @@ class ModelReference:
         with torch.no_grad(), eval_mode(self.model):
             out = sequence_logps(self.model, batch, head=self.head, chunk_tokens=self.chunk_tokens)
         return out.logps.detach()
+
+    def token_logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        with torch.no_grad(), eval_mode(self.model):
+            return token_logps(self.model, batch, head=self.head, chunk_tokens=self.chunk_tokens).detach()
 
 
 def reference_logps(
