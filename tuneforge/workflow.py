@@ -167,9 +167,9 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     if stage.samples:  # a reward reads a column the data lacks: say so before the weights load
         from tuneforge.rewards import required_columns
 
-        for name, entry in splits.stats.get("datasets", {}).items():
+        for name, columns in splits.stats.get("dataset_columns", {}).items():
             try:
-                required_columns(cfg, entry.get("columns") or [])
+                required_columns(cfg, columns)
             except DataError as e:
                 raise DataError(f"dataset '{name}': {e}") from None
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
@@ -269,8 +269,8 @@ def precompute_reference(cfg: RunConfig, splits, model, collator):
     return with_ref["train"], with_ref["eval"]
 
 
-# preference metrics whose first -> last logged values the summary shows
-CURVE_METRICS = ("rewards/accuracies", "rewards/margins")
+# metrics whose first -> last logged values the summary shows (preference stages; the RL stages' reward)
+CURVE_METRICS = ("rewards/accuracies", "rewards/margins", "reward")
 
 
 def loss_curve(output_dir: Path) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def test_alpaca_prompts_keep_the_other_columns(tokenizer, home, tmp_path, make_c
     assert first["input_ids"] == expected
     assert prompt_text(tokenizer, first["input_ids"]).endswith("<|im_start|>assistant\n")  # the generation prompt
     assert json.loads(first["columns"]) == {"answer": "5", "output": "2 + 3 = 5"}  # the prompt's columns are not kept
-    assert splits.stats["datasets"]["arith"]["columns"] == ["instruction", "input", "answer", "output"]
+    assert splits.stats["dataset_columns"]["arith"] == ["instruction", "input", "answer", "output"]
     assert splits.stats["train_supervised_tokens"] == 0
 
     batch = Collator(tokenizer.pad_token_id, Layout(rows="prompt"))([splits.train[0], splits.train[1]])

@@ -151,8 +151,9 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         "truncated": counts["ok_truncated"],
         "empty_documents": counts["empty"],
         "samples": len(kept),
-        "columns": raw.column_names,  # what the rows held (the RL stages' rewards read some of them)
     }
+    # what the rows held: the RL stages' rewards read some of these columns
+    stats.setdefault("dataset_columns", {})[attr.name] = raw.column_names
     if entry["bad_rows"]:
         logger.warning(
             "dataset '%s': skipped %d bad rows of %d (skip_bad_rows)", attr.name, entry["bad_rows"], len(raw)

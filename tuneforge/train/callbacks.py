@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 TRAINER_LOG = "trainer_log.jsonl"
 LOSS_PLOT = "training_loss.png"
 EVAL_LOSS_PLOT = "training_eval_loss.png"
-# plotted when logged (preference stages), as LlamaFactory plots them: training_rewards_accuracies.png
-METRIC_PLOTS = ("rewards/accuracies", "rewards/margins")
+# plotted when logged, as LlamaFactory plots them: training_rewards_accuracies.png (preference stages),
+# training_reward.png and training_eval_reward.png (the RL stages' mean reward)
+METRIC_PLOTS = ("rewards/accuracies", "rewards/margins", "reward", "eval_reward")
 # log_history keys that trainer_log.jsonl writes under LlamaFactory's names; every other key but these
 # is an objective's metric (rewards/chosen, eval_rewards/accuracies, kl, ...) and is written as it is
 STANDARD_KEYS = ("loss", "eval_loss", "learning_rate", "epoch", "grad_norm", "step", "perplexity")
@@ -140,7 +141,8 @@ class Progress:
             )
             return
         grad = f" | grad_norm {line['grad_norm']:.3f}" if "grad_norm" in line else ""
-        metrics = "".join(f" | {k} {v:.4f}" for k, v in line.items() if "/" in k or k == "kl")
+        metrics = "".join(f" | {k} {v:.4f}" for k, v in line.items()
+                          if ("/" in k or k in ("kl", "reward")) and isinstance(v, (int, float)))
         logger.info(
             "step %d/%d (%.0f%%) | epoch %.2f | loss %.4f | lr %.3e%s%s | %.0f tokens/s | elapsed %s | eta %s",
             line["current_steps"],
