@@ -176,16 +176,20 @@ class RLArgs:
     max_completion_length: int = opt(256, help="most tokens of one sampled completion")
     mask_truncated_completions: bool = opt(False, help="completions cut at max_completion_length get no loss")
     reward_funcs: list[str] | None = opt(help="rewards: built-in names (accuracy, format, think_format, length) "
-                                              "or module:function / path/to/file.py:function")
+                                              "or module:function / path/to/file.py:function, called TRL-style "
+                                              "f(prompts, completions, completion_ids, **columns) -> a float or "
+                                              "None per completion")
     reward_weights: list[float] | None = opt(help="weight of each reward (reward_funcs, then the reward model); default 1 each")
     reward_answer_column: str | None = opt(help="accuracy: the column holding the right answer (default: the first "
                                                 "of answer, solution, ground_truth the data has)")
     reward_format_pattern: str | None = opt(help="format: a regular expression the whole completion must match")
     overlong_buffer: int | None = opt(help="length: completions longer than max_completion_length minus this many "
                                            "tokens are penalized linearly, down to -1 (default: a quarter of it)")
-    reward_model: str | None = opt(help="a reward model: a stage rm output folder (or its base model with "
-                                        "reward_model_adapters), or the URL of a score server (reward_model_type api)")
-    reward_model_adapters: list[str] | None = opt(help="the rm adapter folder(s) on reward_model")
+    reward_model: str | None = opt(help="a reward model: a stage rm output folder (lora: the adapter folder, or its "
+                                        "base model with reward_model_adapters; full: the model folder), or the URL "
+                                        "of a score server (reward_model_type api); scored last")
+    reward_model_adapters: list[str] | None = opt(help="lora: the rm adapter folder(s) merged into reward_model (the "
+                                                       "last holds value_head.safetensors)")
     reward_model_type: str = opt("lora", choices=REWARD_MODEL_TYPES, help="lora, full, or api (an HTTP "
                                  "/v1/score/evaluation server, e.g. tuneforge api on an rm output)")
     reward_model_quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="load the reward model in 4 or 8 bit")
