@@ -55,8 +55,11 @@ class Rollouts:
 
     @property
     def reward_names(self) -> list[str]:
-        """The rewards' names, in the order of score's per_reward columns (known once score has run)."""
-        return list(self._rewards.names) if self._rewards is not None else []
+        """The rewards' names as logged (rewards/NAME/mean), in the order of score's per_reward columns, known once
+        score has run: a built-in's name, a user function's own name (not its module or file path), reward_model."""
+        names = list(self._rewards.names) if self._rewards is not None else []
+        short = [name.rpartition(":")[2] for name in names]
+        return short if len(set(short)) == len(short) else names
 
     def score(self, prompts: list[str], completions: list[str], columns: list[dict[str, Any]],
               completion_ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tuneforge.errors import ConfigError
+from tuneforge.stages import STAGES
 from tuneforge.rewards.builtin import BUILTINS, answer_column, overlong_buffer
 from tuneforge.rewards.locate import check_reward_model_files
 from tuneforge.rewards.server import is_http_url
@@ -18,8 +19,6 @@ from tuneforge.rewards.user import FORMS, is_user_entry, load_function
 if TYPE_CHECKING:
     from tuneforge.config.schema import RLArgs, RunConfig
 
-# the stages that score completions (the stage rows of tuneforge/stages.py do not say it yet)
-REWARD_STAGES = ("grpo", "ppo")
 MODEL_REWARD = "reward_model"
 
 
@@ -36,7 +35,8 @@ def reward_weights(rl: RLArgs) -> list[float]:
 def check_rewards(cfg: RunConfig) -> None:
     """ConfigError (with the keys at fault) for reward keys that cannot work; nothing for a stage that scores no
     completions. Loads (so runs) the user's reward modules."""
-    if cfg.method.stage not in REWARD_STAGES:
+    stage = STAGES.get(cfg.method.stage)
+    if stage is None or not stage.samples:  # the stage row says whether it scores sampled completions
         return
     rl, source = cfg.rl, cfg.source
 
@@ -118,5 +118,6 @@ def _check_reward_model(cfg: RunConfig) -> None:
 def required_columns(cfg: RunConfig, column_names: Sequence[str]) -> None:
     """DataError naming the column and the key when a reward needs a column the data lacks (accuracy's
     answers)."""
-    if cfg.method.stage in REWARD_STAGES and "accuracy" in (cfg.rl.reward_funcs or []):
+    stage = STAGES.get(cfg.method.stage)
+    if stage is not None and stage.samples and "accuracy" in (cfg.rl.reward_funcs or []):
         answer_column(cfg.rl, column_names)
