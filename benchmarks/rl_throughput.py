@@ -17,8 +17,8 @@ peer's keys: completions/s (steps x completions per step / train_runtime), train
 reward of the first and last step and the last step's mean completion length (from trainer_log.jsonl). With
 --peer it then runs the peer script on the built-in model's folder with the same values (overrides of steps,
 prompts, generations, length, batch, lr and seed are passed on to it) and prints its line and one with the
-ratios. The peer's venv is $PEER_TRL_VENV, else ../.peer-trl-venv beside the project when that exists, else
-the peer script's own default (built on first use). Timing is measured, never asserted.
+ratios. The peer's venv is $PEER_TRL_VENV, else the peer script's own default (built on first use). Timing is
+measured, never asserted.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from tuneforge.config import parse_overrides
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "llamafactory"
 PEER_SCRIPT = ROOT.parent / "shared" / "bench" / "peer-trl-grpo.sh"
-PEER_VENV_BESIDE = ROOT.parent / ".peer-trl-venv"
 REWARD = f"{ROOT / 'benchmarks' / 'rewards_r1.py'}:twenty_words"  # absolute: the config is written elsewhere
 
 # the peer script's defaults, key for key (its keys: steps, prompts, generations, max_new, batch, lr, seed)
@@ -124,8 +123,6 @@ def run_peer(cfg: dict) -> dict:
     from tuneforge.model.hub import builtin_model_dir
 
     env = dict(os.environ)
-    if "PEER_TRL_VENV" not in env and PEER_VENV_BESIDE.is_dir():
-        env["PEER_TRL_VENV"] = str(PEER_VENV_BESIDE)
     log = Path(tempfile.mkdtemp(prefix="peer-trl-grpo-log-")) / "stderr.txt"
     env["PEER_LOG"] = str(log)
     cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), *peer_args(cfg)]

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from tuneforge.batch import Layout
 from tuneforge.data import build
 from tuneforge.data.collate import Collator
 from tuneforge.data.template import render_prompt, resolve_template
-from tuneforge.batch import Layout
 from tuneforge.errors import DataError
 
 GRPO = {"stage": "grpo", "reward_funcs": ["length"], "max_completion_length": 16}

@@ -15,7 +15,13 @@ from tuneforge.infer.generation import completion_generator
 from tuneforge.rollout import Rollouts
 from tuneforge.train import Trainer
 from tuneforge.train.objectives.grpo import GRPOObjective, GRPOSettings
-from tuneforge.train.objectives.policy import aggregate, clipped_surrogate, group_advantages, k3_kl, loss_units
+from tuneforge.train.objectives.policy import (
+    aggregate,
+    clipped_surrogate,
+    group_advantages,
+    k3_kl,
+    loss_units,
+)
 from tuneforge.train.objectives.token_logps import supervised_targets, token_logps
 
 PROMPTS = [[11, 12, 13, 14], [23, 22, 21], [32, 31, 33, 34, 35], [44, 42]]

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tuneforge.errors import ConfigError
-from tuneforge.stages import STAGES
 from tuneforge.rewards.builtin import BUILTINS, answer_column, overlong_buffer
 from tuneforge.rewards.locate import check_reward_model_files
 from tuneforge.rewards.server import is_http_url
 from tuneforge.rewards.user import FORMS, is_user_entry, load_function
+from tuneforge.stages import STAGES
 
 if TYPE_CHECKING:
     from tuneforge.config.schema import RLArgs, RunConfig
