@@ -64,3 +64,19 @@ def test_torchrun_relaunch_from_python_carries_the_config(tmp_path, monkeypatch)
     assert seen["argv"][0] == "train" and seen["argv"][2:] == ["--ask", "Who are you?"]
     relaunched = from_dict(seen["keys"])
     assert relaunched.to_dict() == config.to_dict()
+
+
+def test_a_reward_column_the_data_lacks_stops_before_the_weights_load(tmp_path, monkeypatch, home, smol_dir):
+    import json
+
+    from tuneforge import model
+    from tuneforge.errors import DataError
+
+    (tmp_path / "q.json").write_text(json.dumps([{"instruction": "What is 2 + 2?", "solved": "4"}]))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"q": {"file_name": "q.json"}}))
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("the weights must not load"))
+    config = from_dict({"model_name_or_path": str(smol_dir), "stage": "grpo", "dataset": "q",
+                        "dataset_dir": str(tmp_path), "output_dir": str(tmp_path / "out"),
+                        "reward_funcs": ["accuracy"], "temperature": 1.0})
+    with pytest.raises(DataError, match=r"dataset 'q': .*answer.*instruction, solved.*reward_answer_column"):
+        workflow.run(config)
