@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from train_throughput import train_child  # benchmarks/ is this script's folder
 
 from tuneforge.config import parse_overrides
 
@@ -141,22 +141,11 @@ def step_logs(output_dir: Path) -> list[dict]:
 
 
 def run_tuneforge(cfg: dict) -> dict:
-    out = Path(tempfile.mkdtemp(prefix="tuneforge-r1-"))
-    cfg = {**cfg, "output_dir": str(out / "run")}
-    (out / "workload.json").write_text(json.dumps(cfg, indent=2))
-    cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "workload.json")]
-    start = time.time()
-    with open(out / "log.txt", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    wall = time.time() - start
-    if code != 0:
-        sys.exit(f"tuneforge failed ({code}); see {out / 'log.txt'}")
-    res = json.loads((out / "run" / "train_results.json").read_text())
+    out, res, wall, peak_mb = train_child(cfg, "R1")
     steps = res.get("global_step", cfg["max_steps"])
     runtime = res.get("train_runtime")
     completions = steps * completions_per_step(cfg)
     logs = step_logs(out / "run")
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kilobytes on Linux
     return {
         "system": "tuneforge",
         "workload": "R1",
@@ -164,7 +153,7 @@ def run_tuneforge(cfg: dict) -> dict:
         "completions": completions,
         "train_runtime": runtime,
         "completions_per_sec": round(completions / runtime, 3) if runtime else None,
-        "peak_rss_mb": round(peak_kb / 1024),
+        "peak_rss_mb": round(peak_mb),
         "reward_first": logs[0]["reward"] if logs else None,
         "reward_last": logs[-1]["reward"] if logs else None,
         "mean_completion_length": logs[-1].get("completions/mean_length") if logs else None,

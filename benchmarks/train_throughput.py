@@ -118,9 +118,11 @@ def run_peer(workload: str, dataset_dir: str, extra: list[str]) -> dict:
     return peer
 
 
-def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict:
+def train_child(cfg: dict, workload: str, overrides: list[str] = ()) -> tuple[Path, dict, float, float]:
+    """`tuneforge train` on cfg in a child process, its outputs in a temporary folder's run/: (that folder,
+    train_results.json, wall seconds, the children's peak RSS in MiB). Exits naming the log if it fails."""
     out = Path(tempfile.mkdtemp(prefix=f"tuneforge-{workload.lower()}-"))
-    cfg = {**WORKLOADS[workload], "dataset_dir": dataset_dir, "output_dir": str(out / "run")}
+    cfg = {**cfg, "output_dir": str(out / "run")}
     (out / "workload.json").write_text(json.dumps(cfg, indent=2))
     cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "workload.json"), *overrides]
     start = time.time()
@@ -129,9 +131,15 @@ def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict
     wall = time.time() - start
     if code != 0:
         sys.exit(f"tuneforge failed ({code}); see {out / 'log.txt'}")
-    res = json.loads((out / "run" / "train_results.json").read_text())
-    curve = loss_curve(out / "run")
+    results = json.loads((out / "run" / "train_results.json").read_text())
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # kilobytes on Linux
+    return out, results, wall, peak_kb / 1024
+
+
+def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict:
+    cfg = {**WORKLOADS[workload], "dataset_dir": dataset_dir}
+    out, res, wall, peak_mb = train_child(cfg, workload, overrides)
+    curve = loss_curve(out / "run")
     return {
         "system": "tuneforge",
         "workload": workload,
@@ -141,7 +149,7 @@ def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict
         "train_loss": res.get("train_loss"),
         "first_loss": curve.get("first_loss"),
         "final_loss": curve.get("last_loss"),
-        "peak_rss_mb": round(peak_kb / 1024, 1),
+        "peak_rss_mb": round(peak_mb, 1),
         "wall_s": round(wall, 2),
         "out": str(out),
     }

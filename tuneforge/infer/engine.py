@@ -31,7 +31,7 @@ from tuneforge.infer.decode import Output
 from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs, render_prompt
 from tuneforge.infer.job import CancelOnly, Choice, Completion, Delta, Done, Failed, Finish, Job, Watch, feed
 from tuneforge.infer.request import RequestError, Sampling, sampling
-from tuneforge.model.value_head import ValueHeadModel
+from tuneforge.model.value_head import ValueHeadModel, score_token_rows
 
 if TYPE_CHECKING:
     from tuneforge.config import GenerateArgs, RunConfig
@@ -200,15 +200,7 @@ class Engine:
         scores: list[float] = []
         for start in range(0, len(rows), SCORE_BATCH):
             batch = rows[start : start + SCORE_BATCH]
-            width = max(len(r) for r in batch)
-            ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, r in enumerate(batch):
-                ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-            ends = torch.tensor([i * width + len(r) - 1 for i, r in enumerate(batch)])
-            values = self.scorer(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                 sequence_ends=ends.to(self.device))
-            scores += values.float().cpu().tolist()
+            scores += score_token_rows(self.scorer, batch, self.tokenizer.pad_token_id, self.device)
         return scores
 
     # ---- the worker

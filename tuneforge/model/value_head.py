@@ -137,3 +137,18 @@ def load_value_head(folder: str | Path) -> dict[str, torch.Tensor]:
 def attach_value_head(model: torch.nn.Module, folder: str | Path) -> ValueHeadModel:
     """A loaded model (and adapter) of a saved reward-model folder, with that folder's value head on it."""
     return ValueHeadModel(model, load_value_head(folder))
+
+
+def score_token_rows(model: torch.nn.Module, rows: list[list[int]], pad_token_id: int | None,
+                     device: torch.device) -> list[float]:
+    """The value head's score of each token-id row, read at its last token (one forward: the caller batches).
+
+    Right-padded, so each row's positions start at 0 and its last token is at len - 1."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id if pad_token_id is not None else 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    ends = torch.tensor([i * width + len(r) - 1 for i, r in enumerate(rows)])
+    values = model(input_ids=ids.to(device), attention_mask=mask.to(device), sequence_ends=ends.to(device))
+    return values.float().cpu().tolist()

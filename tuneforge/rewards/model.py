@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tuneforge.errors import TrainingError
+from tuneforge.model.value_head import score_token_rows
 from tuneforge.rewards.inputs import RewardInputs
 from tuneforge.rewards.locate import reward_model_location
 
@@ -73,18 +74,7 @@ class RewardModel:
             rows = [r[-self.max_length :] for r in rows]  # keep the end: the completion being scored
         scores: list[float] = []
         for start in range(0, len(rows), self.batch_size):
-            scores += self._score_batch(rows[start : start + self.batch_size])
+            batch = rows[start : start + self.batch_size]
+            scores += score_token_rows(self.model, batch, self.tokenizer.pad_token_id, self.device)
         return scores
 
-    def _score_batch(self, rows: list[list[int]]) -> list[float]:
-        """Right-padded, so each text's positions start at 0 and its last token is at len - 1."""
-        width = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-        ends = torch.tensor([i * width + len(r) - 1 for i, r in enumerate(rows)])
-        values = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            sequence_ends=ends.to(self.device))
-        return values.float().cpu().tolist()
