@@ -99,10 +99,10 @@ def test_a_rank_that_dies_ends_the_job_and_is_named(tmp_path, tiny_model_dir):
         "if os.environ.get('RANK') == '1':\n"
         "    from tuneforge.train import trainer\n"
         "    step = trainer.Trainer._optimizer_step\n"
-        "    def dying(self, group):\n"
+        "    def dying(self, group, **kwargs):\n"
         "        if self.state.global_step == 1:\n"
         "            os._exit(3)\n"
-        "        return step(self, group)\n"
+        "        return step(self, group, **kwargs)\n"
         "    trainer.Trainer._optimizer_step = dying\n"
     )
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
