@@ -134,6 +134,24 @@ def test_completion_generator_stops_and_strips(tiny_model_dir, tokenizer, tmp_pa
     assert len(several) == 3
 
 
+def test_a_prompt_goes_through_the_model_once_for_all_its_completions(tiny_model_dir, tokenizer, tmp_path):
+    cfg = sgd_cfg(tmp_path / "gen", tiny_model_dir, temperature=1.0, top_p=1.0, top_k=0)
+    generate = completion_generator(cfg, tokenizer)
+    model = load_model(tiny_model_dir)
+    prompts, seeds = [PROMPTS[0], PROMPTS[1][:2]], list(range(10, 16))
+    passes = []  # (rows, tokens) of each forward of the decoder
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _m, args, kwargs: passes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        shared = generate(model, prompts, num_return_sequences=3, max_new_tokens=6, seeds=seeds)
+    finally:
+        hook.remove()
+    width = max(map(len, prompts))
+    assert passes[0] == (2, width - 1) and all(tokens == 1 for _, tokens in passes[1:])  # then one token at a time
+    repeated = generate(model, [p for p in prompts for _ in range(3)], max_new_tokens=6, seeds=seeds)
+    assert shared == repeated  # the same completions as six separate prompt passes
+
+
 # ---- two processes (gloo) train what one process trains ----------------------------------------------------
 
 def _two_process_worker(rank: int, init_file: str, model_dir: str, out: str, tokenizer_dir: str, keys: dict) -> None:

@@ -141,6 +141,22 @@ class SeededSampling:
         return only.scatter_(1, picks.unsqueeze(1), 0.0)
 
 
+def shared_prompt_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor, copies: int) -> Any:
+    """The KV cache of a batch whose rows come in runs of `copies` equal prompts: each prompt but its last token
+    goes through the model once, and the cache is repeated for its copies (generate then runs the last token
+    and samples). G completions per prompt cost one prompt pass instead of G.
+
+    Positions are the ones generate gives left-padded rows (the attention mask's running count), so the cache
+    holds what generate's own first pass would have put there."""
+    runner = model.generate.__self__  # the model that generates (a value-head wrapper's language model)
+    unique_ids, unique_mask = ids[::copies, :-1], mask[::copies, :-1]
+    positions = (unique_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = runner(input_ids=unique_ids, attention_mask=unique_mask, position_ids=positions, use_cache=True)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    cache.batch_repeat_interleave(copies)
+    return cache
+
+
 def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
     """A function that generates completions of token-id prompts as chat and eval do: the same stop tokens (eos
     and the chat template's end of turn) and sampling settings (the generate keys: do_sample, temperature,
@@ -167,6 +183,7 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
         rows = prompts.tolist() if torch.is_tensor(prompts) else [list(p) for p in prompts]
         if not rows:
             return []
+        copies = 1
         if seeds is not None:  # seeded rows decode greedily over their own draws: one row per completion
             copies = overrides.pop("num_return_sequences", 1)
             rows = [r for r in rows for _ in range(copies)]
@@ -187,6 +204,8 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
         was_training = model.training
         model.eval()
         try:
+            if copies > 1 and width > 1 and kwargs.get("num_beams", 1) == 1:
+                kwargs["cache"] = shared_prompt_cache(model, ids, mask, copies)
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         finally:
             model.train(was_training)
