@@ -29,7 +29,7 @@ def test_every_built_row_resolves_in_its_registry():
 
 
 def test_the_reference_follows_the_rows():
-    assert [s for s in STAGES if not STAGES[s].planned and uses_reference(s, "sigmoid")] == ["dpo", "kto"]
+    assert [s for s in STAGES if not STAGES[s].planned and uses_reference(s, "sigmoid")] == ["ppo", "dpo", "kto"]
     assert not uses_reference("dpo", "orpo") and not uses_reference("dpo", "simpo") and uses_reference("dpo", "ipo")
 
 
@@ -45,3 +45,16 @@ def test_a_row_is_checked_when_made():
         Stage("x", "supervised", ("plain",), "plain", "lm", reference="sometimes")
     with pytest.raises(ValueError, match="encoder and an objective"):
         Stage("x", None, ("plain",), "plain", None)
+
+
+def test_a_planned_stage_is_refused_before_anything_loads():
+    from tuneforge.config import from_dict
+    from tuneforge.errors import ConfigError
+    from tuneforge.stages import Stage, register_stage, unregister
+
+    register_stage(Stage("later", None, ("plain",), "plain", None, planned=True))
+    try:
+        with pytest.raises(ConfigError, match="stage 'later' is not implemented yet"):
+            from_dict({"model_name_or_path": "m", "stage": "later", "dataset": "d"})
+    finally:
+        unregister("later", STAGES)

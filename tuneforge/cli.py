@@ -96,7 +96,7 @@ def cmd_train(args) -> int:
         return 0
     what = "adapter" if cfg.method.finetuning_type in ("lora", "oft") else "model"
     if stage_of(cfg.method.stage).value_head:
-        what += " and value head"
+        what += " and critic head" if stage_of(cfg.method.stage).critic else " and value head"
     print(f"\n{what} saved in {r['output_dir']}")
     if "first_loss" in r:
         print(f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f} over {r.get('global_step', '?')} steps")

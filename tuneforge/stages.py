@@ -15,7 +15,7 @@ Adding a stage: `register_stage(Stage(...))` (+ `register_encoder` if no existin
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +34,13 @@ class Stage:
     rows: what one token row holds, the batch layout's row kind (tuneforge.batch.ROW_KINDS). objective: the
     objective's name in the objective registry (tuneforge.train.objectives). packs_by_default / can_pack:
     whether rows are packed when `packing` is not set, and whether packing is allowed at all (a stage that
-    compares whole sequences cannot pack). reference: never, always, or by_loss (the pref_loss row decides).
-    value_head: the model gets a scalar value head (and saves it). samples: the objective samples completions
-    during training (an RL stage: its rows are prompts, rewards score what it samples). pref_loss: the pref_loss key applies.
+    compares whole sequences cannot pack). reference: never, always, by_loss (the pref_loss row decides) or by_kl.
+    value_head: the model gets a scalar value head (and saves it). critic: that head is a critic of the policy
+    (ppo: trained on returns, saved as critic_head.safetensors, so the output stays a policy). samples: the
+    objective samples completions during training (an RL stage: its rows are prompts, rewards score what it
+    samples). pref_loss: the pref_loss key applies. own_keys: config keys that only this stage reads (another
+    stage refuses them away from their defaults). rl_defaults: defaults of the rl keys the schema leaves unset
+    (null): a value, or the name of the key whose value it takes.
     perplexity: the objective's loss is a mean token negative log-likelihood, so evaluation reports
     exp(loss) and `tuneforge eval` can measure it. writes_text: the trained model answers in text (so `--ask`
     and generation make sense). planned: listed, not built yet (validation refuses it).
@@ -52,10 +56,13 @@ class Stage:
     can_pack: bool = True
     reference: str = REFERENCE_NEVER
     value_head: bool = False
+    critic: bool = False
     pref_loss: bool = False
     perplexity: bool = False
     writes_text: bool = True
     samples: bool = False
+    own_keys: tuple[str, ...] = ()
+    rl_defaults: Mapping[str, Any] = field(default_factory=dict)
     planned: bool = False
 
     def __post_init__(self) -> None:
@@ -63,6 +70,8 @@ class Stage:
             raise ValueError(f"Stage.reference must be one of {REFERENCE_RULES}, not {self.reference!r}")
         if self.packs_by_default and not self.can_pack:
             raise ValueError(f"stage {self.name}: packs_by_default needs can_pack")
+        if self.critic and not self.value_head:
+            raise ValueError(f"stage {self.name}: a critic is a value head (value_head=True)")
         if not self.planned and (self.encoder is None or self.objective is None):
             raise ValueError(f"stage {self.name}: a built stage needs an encoder and an objective")
 
@@ -224,15 +233,22 @@ for _stage in (
     Stage("sft", "supervised", ("plain",), "plain", "lm", "cross-entropy on the assistant turns", perplexity=True),
     Stage("rm", "pairwise", ("pairwise",), "pairwise", "reward", "a reward model (a scorer): value head, -log sigma(r_chosen - r_rejected)",
           can_pack=False, value_head=True, writes_text=False),
-    Stage("ppo", None, ("plain",), "prompt", None, "generate, score, GAE; clipped policy + value", can_pack=False,
-          samples=True, planned=True),
+    Stage("ppo", "prompt", ("plain",), "prompt", "ppo", "sample a completion per prompt, score it with the rewards, "
+          "KL-shaped rewards, GAE on the critic's values; clipped policy and value losses", can_pack=False,
+          reference=REFERENCE_ALWAYS, value_head=True, critic=True, samples=True,
+          own_keys=("ppo_epochs", "ppo_buffer_size", "ppo_score_norm", "ppo_whiten_rewards", "ppo_target",
+                    "ppo_kl_coef", "ppo_adaptive_kl", "ppo_kl_horizon", "ppo_gamma", "ppo_lam", "ppo_value_clip",
+                    "ppo_vf_coef"),
+          rl_defaults={"num_generations": 1, "max_completion_length": "max_new_tokens"}),  # LlamaFactory's ppo
     Stage("dpo", "pairwise", ("pairwise",), "pairwise", "preference", "a preference loss (pref_loss)",
           can_pack=False, reference=REFERENCE_BY_LOSS, pref_loss=True),
     Stage("kto", "feedback", ("feedback",), "feedback", "kto", "KTO on desirable / undesirable answers",
           can_pack=False, reference=REFERENCE_ALWAYS),
     Stage("grpo", "prompt", ("plain",), "prompt", "grpo", "sample num_generations answers per prompt, score them "
           "with the rewards, clipped policy gradient on group-normalized advantages", can_pack=False,
-          reference=REFERENCE_BY_KL, samples=True),
+          reference=REFERENCE_BY_KL, samples=True,
+          own_keys=("num_iterations", "beta", "loss_type", "scale_rewards", "mask_truncated_completions"),
+          rl_defaults={"num_generations": 8, "max_completion_length": 256}),
 ):
     register_stage(_stage)
 

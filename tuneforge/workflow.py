@@ -176,7 +176,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     layout = batch_layout(cfg, splits, model)
     before = ask_model(cfg, model, tokenizer, ask) if ask else None
     if stage.value_head:
-        model = ValueHeadModel(model)
+        model = ValueHeadModel(model, critic=stage.critic)
     collator = Collator(tokenizer.pad_token_id, layout)
     strategy = build_strategy(cfg, model)  # local / DDP, FSDP2 or DeepSpeed (nothing wrapped yet)
     train_rows, eval_rows, reference = splits.train, splits.eval, None

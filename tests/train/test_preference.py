@@ -284,5 +284,5 @@ def test_build_objective_reads_the_keys():
     cfg.method.stage = "kto"
     assert build_objective(cfg, reference).reference is reference
     cfg.method.stage = "ppo"
-    with pytest.raises(ConfigError, match="ppo"):
+    with pytest.raises(ValueError, match="ppo needs a reference"):
         build_objective(cfg)

@@ -172,9 +172,10 @@ class RLArgs:
     """The RL stages (grpo, ppo): rollouts are sampled with the generate keys (temperature, top_p, top_k, ...)
     and stop at the chat template's end of turn, as chat does."""
 
-    num_generations: int = opt(8, help="grpo: completions sampled per prompt (a group)")
-    max_completion_length: int = opt(256, help="most tokens of one sampled completion")
-    mask_truncated_completions: bool = opt(False, help="completions cut at max_completion_length get no loss")
+    num_generations: int | None = opt(help="completions sampled per prompt (default: grpo 8, a group; ppo 1)")
+    max_completion_length: int | None = opt(help="most tokens of one sampled completion (default: grpo 256; ppo "
+                                                 "max_new_tokens, as LlamaFactory's ppo)")
+    mask_truncated_completions: bool = opt(False, help="grpo: completions cut at max_completion_length get no loss")
     reward_funcs: list[str] | None = opt(help="rewards: built-in names (accuracy, format, think_format, length) "
                                               "or module:function / path/to/file.py:function, called TRL-style "
                                               "f(prompts, completions, completion_ids, **columns) -> a float or "
@@ -198,10 +199,24 @@ class RLArgs:
     loss_type: str = opt("dapo", choices=GRPO_LOSS_TYPES, help="grpo: how token losses are averaged: grpo (per "
                          "completion), dr_grpo (by max_completion_length), dapo (by the batch's tokens), bnpo (by "
                          "each micro-batch's tokens)")
-    epsilon: float = opt(0.2, help="grpo: clipping range of the probability ratio (lower side)")
-    epsilon_high: float | None = opt(help="grpo: upper clipping range (default: epsilon)")
+    epsilon: float = opt(0.2, help="grpo, ppo: clipping range of the probability ratio (lower side)")
+    epsilon_high: float | None = opt(help="grpo, ppo: upper clipping range (default: epsilon)")
     num_iterations: int = opt(1, help="grpo: optimizer steps per batch of sampled completions")
     beta: float = opt(0.0, help="grpo: weight of the KL penalty to the reference (0: no reference)")
+    ppo_epochs: int = opt(4, help="ppo: passes over each batch of sampled completions (optimizer steps: ppo_epochs "
+                                  "x ppo_buffer_size per rollout)")
+    ppo_buffer_size: int = opt(1, help="ppo: optimizer steps' worth of micro-batches sampled together (the "
+                                       "experience buffer; advantages are whitened over it)")
+    ppo_score_norm: bool = opt(False, help="ppo: normalize scores by the running mean and std of all scores so far")
+    ppo_whiten_rewards: bool = opt(False, help="ppo: whiten the per-token rewards (keeping their mean) before GAE")
+    ppo_target: float = opt(6.0, help="ppo: the KL (summed over a completion) the adaptive KL coefficient aims at")
+    ppo_kl_coef: float = opt(0.2, help="ppo: the KL penalty's coefficient (its start, when adaptive)")
+    ppo_adaptive_kl: bool = opt(True, help="ppo: adapt ppo_kl_coef towards ppo_target (Ziegler et al.), else fixed")
+    ppo_kl_horizon: int = opt(10000, help="ppo: samples over which the adaptive coefficient closes its error")
+    ppo_gamma: float = opt(1.0, help="ppo: discount of GAE")
+    ppo_lam: float = opt(0.95, help="ppo: lambda of GAE")
+    ppo_value_clip: float = opt(0.2, help="ppo: clipping range of the value prediction around the rollout's")
+    ppo_vf_coef: float = opt(0.1, help="ppo: weight of the value loss")
 
 
 @dataclass

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuneforge.config.rl import resolved_rl
 from tuneforge.data import cache, encode, formats, packing, registry, template
 from tuneforge.data.encoders import get_encoder
 from tuneforge.data.registry import DatasetAttr
@@ -57,7 +58,7 @@ class _Plan:
             mask_history=d.mask_history,
             default_system=d.default_system,
             skip_bad_rows=d.skip_bad_rows,
-            completion_room=cfg.rl.max_completion_length if self.encoder.samples_completions else 0,
+            completion_room=resolved_rl(cfg).max_completion_length if self.encoder.samples_completions else 0,
         )
         self.packing = spec.can_pack and (
             bool(d.neat_packing) or (d.packing if d.packing is not None else spec.packs_by_default)

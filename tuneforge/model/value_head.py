@@ -1,4 +1,4 @@
-"""A scalar value head on a causal LM: the reward model of the rm stage (and the scorer PPO will use).
+"""A scalar value head on a causal LM: the reward model of the rm stage, and the critic of the ppo stage.
 
 ValueHeadModel wraps a causal LM (plain or peft) and a fp32 nn.Linear(hidden_size, 1). Scoring runs the
 decoder only (no vocabulary projection) and reads the value head at each sequence's last real token
@@ -9,7 +9,8 @@ trainer and checkpoint code treat it as the model; named_parameters() holds mode
 Saved folders follow Hugging Face conventions plus one file: save_pretrained writes the wrapped model as
 usual (an adapter folder for peft, a full model otherwise) and value_head.safetensors (v_head.weight,
 v_head.bias). To score with a saved reward model, load the model (and adapter) from the folder as usual,
-then `attach_value_head(model, folder)`.
+then `attach_value_head(model, folder)`. A PPO critic is saved as critic_head.safetensors instead: the ppo output
+is a policy (chat, api, export and eval use it as any adapter or model), not a reward model.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tuneforge.batch import Batch
 from tuneforge.errors import ModelError
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_HEAD_FILE = "critic_head.safetensors"
 VALUE_HEAD_KEYS = ("v_head.weight", "v_head.bias")
 
 
@@ -36,23 +38,26 @@ def hidden_size(config: Any) -> int:
 
 class ValueHeadModel(torch.nn.Module):
     """model: the causal LM (plain or peft-wrapped); v_head_state: saved v_head weights, else a fresh
-    zero-mean init (normal, std 1/sqrt(hidden_size + 1); bias 0).
+    zero-mean init (normal, std 1/sqrt(hidden_size + 1); bias 0). critic: a PPO critic (values regress on
+    returns: the bias trains) saved as critic_head.safetensors.
 
-    The bias is frozen. The rm loss reads only differences of scores (r_chosen − r_rejected), from which the
+    A reward model's bias is frozen. The rm loss reads only differences of scores (r_chosen − r_rejected), from which the
     bias cancels: its gradient is zero but for rounding (~1e-8), and AdamW normalizes a gradient that small into
     a step of up to the learning rate, so a trained bias (and every score with it) would drift by rounding
     noise, a different drift for another batch layout or number of processes. A head trained on absolute
-    targets (a PPO critic's values) would unfreeze it."""
+    targets (a PPO critic's values) trains it."""
 
-    def __init__(self, model: torch.nn.Module, v_head_state: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, v_head_state: Mapping[str, torch.Tensor] | None = None,
+                 *, critic: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.head_file = CRITIC_HEAD_FILE if critic else VALUE_HEAD_FILE
         size = hidden_size(model.config)
         device = next(model.parameters()).device
         self.v_head = torch.nn.Linear(size, 1, dtype=torch.float32, device=device)
         torch.nn.init.normal_(self.v_head.weight, std=1 / math.sqrt(size + 1))
         torch.nn.init.zeros_(self.v_head.bias)
-        self.v_head.bias.requires_grad_(False)  # see the class docstring
+        self.v_head.bias.requires_grad_(critic)  # see the class docstring
         if v_head_state is not None:
             self.load_value_head_state(v_head_state)
 
@@ -113,24 +118,23 @@ class ValueHeadModel(torch.nn.Module):
                 param.copy_(state[key].to(param.device, torch.float32))
 
     def load_value_head_from(self, folder: str | Path) -> None:
-        """The value head saved in folder (a checkpoint or an rm output folder)."""
-        self.load_value_head_state(load_value_head(folder))
+        """The value head saved in folder (a checkpoint, or an rm / ppo output folder)."""
+        self.load_value_head_state(load_value_head(folder, self.head_file))
 
     def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
-        """The wrapped model's usual save_pretrained (adapter or full model) plus value_head.safetensors."""
+        """The wrapped model's usual save_pretrained (adapter or full model) plus the head's file."""
         folder = Path(save_directory)
         self.model.save_pretrained(folder, **kwargs)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(self.value_head_state(), str(folder / VALUE_HEAD_FILE))
+        save_file(self.value_head_state(), str(folder / self.head_file))
 
 
-def load_value_head(folder: str | Path) -> dict[str, torch.Tensor]:
-    """{v_head.weight, v_head.bias} from folder/value_head.safetensors."""
-    path = Path(folder) / VALUE_HEAD_FILE
+def load_value_head(folder: str | Path, name: str = VALUE_HEAD_FILE) -> dict[str, torch.Tensor]:
+    """{v_head.weight, v_head.bias} from folder/value_head.safetensors (or the critic's file)."""
+    path = Path(folder) / name
     if not path.is_file():
-        raise ModelError(
-            f"{folder} has no {VALUE_HEAD_FILE}; it is not a tuneforge reward model (stage rm) output folder"
-        )
+        what = "a stage ppo checkpoint" if name == CRITIC_HEAD_FILE else "a tuneforge reward model (stage rm) output folder"
+        raise ModelError(f"{folder} has no {name}; it is not {what}")
     return load_file(str(path))
 
 

@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tuneforge.config.rl import resolved_rl
 from tuneforge.errors import ConfigError
 from tuneforge.rewards.builtin import BUILTINS, answer_column, overlong_buffer
 from tuneforge.rewards.locate import check_reward_model_files
@@ -38,7 +39,7 @@ def check_rewards(cfg: RunConfig) -> None:
     stage = STAGES.get(cfg.method.stage)
     if stage is None or not stage.samples:  # the stage row says whether it scores sampled completions
         return
-    rl, source = cfg.rl, cfg.source
+    rl, source = resolved_rl(cfg), cfg.source
 
     def fail(message: str, key: str | tuple[str, ...]) -> None:
         raise ConfigError(f"{source}: {message}", key=key)
@@ -97,7 +98,7 @@ def _check_options(rl: RLArgs, source: str) -> None:
 
 
 def _check_reward_model(cfg: RunConfig) -> None:
-    rl, source = cfg.rl, cfg.source
+    rl, source = resolved_rl(cfg), cfg.source
     if not rl.reward_model:
         if rl.reward_model_adapters:
             raise ConfigError(f"{source}: reward_model_adapters needs reward_model, the base model they were trained "

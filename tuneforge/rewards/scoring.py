@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tuneforge.config.rl import resolved_rl
 from tuneforge.errors import ConfigError, TrainingError
 from tuneforge.rewards.builtin import BUILTINS
 from tuneforge.rewards.check import check_rewards, reward_names, reward_weights
@@ -108,7 +109,7 @@ def build_rewards(cfg: RunConfig, tokenizer: Any, *, device: torch.device | str)
     """The rewards of cfg: reward_funcs in order, then the reward model (loaded on device, frozen) or server.
     tokenizer: the policy's (the reward model reads texts with its own)."""
     check_rewards(cfg)
-    rl = cfg.rl
+    rl = resolved_rl(cfg)
     names = reward_names(rl)
     if not names:
         raise ConfigError(f"{cfg.source}: no reward to score completions with: set reward_funcs and / or "

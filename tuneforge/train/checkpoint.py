@@ -57,6 +57,7 @@ class TrainerState:
     last_eval_step: int | None = None
     status: str = "running"  # then "completed", or "stopped" (a stop request; resume continues the run)
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    objective: dict[str, Any] = field(default_factory=dict)  # the objective's running state (ppo's KL coefficient)
 
     def save(self, path: Path) -> None:
         write_json(path, asdict(self))

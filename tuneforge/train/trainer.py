@@ -12,9 +12,15 @@ micro-batches of the step (and of an evaluation) after collation and the move to
 the plain model inside the strategy's `weights_usable()` context (outside DDP / FSDP / DeepSpeed's wrapper), and
 counts the units only after all of them: a unit known only after generation (a generated token) normalizes
 exactly too. Each batch then carries `sample_seeds`, one per row from (seed, epoch, row index), so what a row
-samples does not depend on where it lands. An objective with `iterations` > 1 (grpo's num_iterations) is stepped
-that many times on each prepared group of micro-batches before the data moves on; checkpoints (and stop
-requests) fall between groups, so a resumed run prepares exactly what the uninterrupted one did.
+samples does not depend on where it lands. The model is in train mode while training prepares, in eval mode
+while evaluation does (an objective updates its running statistics only in the first).
+
+A rollout is what is prepared at once: `buffer` accumulation groups (ppo's ppo_buffer_size; 1 by default). An
+objective with `iterations` > 1 (grpo's num_iterations, ppo's ppo_epochs) is stepped that many times on each
+rollout, one optimizer step per accumulation group each time, before the data moves on. Checkpoints (and stop
+requests) fall between rollouts (a checkpoint due inside one is written at its end), so a resumed run prepares
+exactly what the uninterrupted one did; an objective's own running state (`state_dict` / `load_state_dict`:
+ppo's adaptive KL coefficient and score statistics) is saved in trainer_state.json.
 
 How it runs on one or many processes is the Strategy's business (train/strategy.py); the run hooks (progress,
 trainer_log.jsonl, reporters, plots, stop requests) are callbacks (train/callbacks.py). A stop request (SIGINT /
@@ -133,6 +139,30 @@ def autocast_context(train_args: Any, device: torch.device) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class Phase:
+    """Where an optimizer step falls in its rollout (the accumulation groups prepared together)."""
+
+    rollout: list[list[int]]  # every micro-batch of the rollout: prepared together, at its first step
+    chunk: int  # which accumulation group of the rollout this step trains on
+    iteration: int  # 0 .. iterations - 1
+    chunks: int
+    iterations: int
+
+    @property
+    def first(self) -> bool:
+        return self.iteration == 0 and self.chunk == 0
+
+    @property
+    def consumes(self) -> bool:
+        """The last pass over this step's micro-batches: they count as consumed data."""
+        return self.iteration == self.iterations - 1
+
+    @property
+    def ends_rollout(self) -> bool:
+        return self.consumes and self.chunk == self.chunks - 1
+
+
 @dataclass
 class StepResult:
     loss_sum: float
@@ -214,8 +244,9 @@ class Trainer:
         self.prepare = getattr(objective, "prepare", None)
         self.prepare_step = getattr(objective, "prepare_step", None)
         self.samples = self.prepare is not None or self.prepare_step is not None
-        # optimizer steps per prepared group of micro-batches (grpo's num_iterations)
+        # optimizer steps per rollout, and accumulation groups per rollout (see the module docstring)
         self.iterations = max(int(getattr(objective, "iterations", 1)), 1)
+        self.buffer = max(int(getattr(objective, "buffer", 1)), 1)
         self.finish_metrics = getattr(objective, "finish_metrics", None)
         self.extra_callbacks = list(callbacks)
         self.output_dir = Path(t.output_dir or ".")
@@ -274,27 +305,27 @@ class Trainer:
         if t.eval_on_start and resumed_from is None:  # the untrained model's figures, to compare against
             self._evaluate_and_track()
         self.model.train()
-        window, stop_reason, stopped, pending_stop = Window(), None, None, None
+        window, stop_reason, stopped, pending_stop, pending_save = Window(), None, None, None, False
         while self.state.global_step < self.total_steps and stop_reason is None and stopped is None:
-            for group, iteration in self._accumulation_groups():
-                last_iteration = iteration == self.iterations - 1
-                result = self._optimizer_step(group, reuse=iteration > 0)
-                epoch_ended = self._advance(len(group) if last_iteration else 0, result)
+            for group, phase in self._accumulation_groups():
+                result = self._optimizer_step(group, phase=phase)
+                epoch_ended = self._advance(len(group) if phase.consumes else 0, result)
                 window.add(result)
                 step = self.state.global_step
                 if result.stop is not None and step < self.total_steps:
                     pending_stop = result.stop
-                if pending_stop is not None and last_iteration and step < self.total_steps:
-                    stopped = pending_stop  # between prepared groups, where a checkpoint can resume exactly
+                if pending_stop is not None and phase.ends_rollout and step < self.total_steps:
+                    stopped = pending_stop  # between rollouts, where a checkpoint can resume exactly
                 if step % t.logging_steps == 0 or stopped:
                     self._log_train(window)
                     window = Window()
                 every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
                 if every_n or (t.eval_strategy == "epoch" and epoch_ended):
                     stop_reason = self._evaluate_and_track()
-                due = t.save_strategy == "steps" and step % t.save_steps == 0
-                if due or (stopped and stop_reason is None):  # a stopped run can be resumed from this step
-                    self._save_checkpoint()
+                pending_save = pending_save or (t.save_strategy == "steps" and step % t.save_steps == 0)
+                if (pending_save and phase.ends_rollout) or (stopped and stop_reason is None):
+                    self._save_checkpoint()  # a stopped run can be resumed from this step
+                    pending_save = False
                 self.callbacks.on_step(self.state)
                 if stop_reason is not None or stopped or step >= self.total_steps:
                     break
@@ -314,21 +345,24 @@ class Trainer:
         self._finish(results, resumed_from, stopped)
         return results
 
-    def _optimizer_step(self, group: list[list[int]], reuse: bool = False) -> StepResult:
+    def _optimizer_step(self, group: list[list[int]], *, phase: Phase | None = None) -> StepResult:
         """[prepare] + forward + backward each micro-batch, normalized by the step's total units; clip; step.
 
-        reuse: step on the micro-batches the previous step prepared (the objective's further iterations)."""
+        phase: where the step falls in its rollout (None: a rollout of this one group); the rollout's first step
+        prepares all of its micro-batches, the later ones step on what it prepared."""
         t = self.cfg.train
-        if reuse:
-            batches = self._prepared_group
-        else:
-            rows = [[self.train_dataset[i] for i in indices] for indices in group]
+        phase = phase or Phase([*group], 0, 0, 1, 1)
+        if phase.first:
+            rows = [[self.train_dataset[i] for i in indices] for indices in phase.rollout]
             batches = [self.collator(micro_batch_rows) for micro_batch_rows in rows]
             if self.samples:  # rollouts first: units may only be known after them (generated tokens)
-                seeds = [[sample_seed(t.seed, self.state.epoch, i) for i in indices] for indices in group]
+                seeds = [[sample_seed(t.seed, self.state.epoch, i) for i in indices] for indices in phase.rollout]
                 batches = self._prepared(batches, seeds)
-            if self.iterations > 1:
-                self._prepared_group = batches
+            self._rollout = batches if phase.chunks > 1 or phase.iterations > 1 else None
+        else:
+            batches = self._rollout
+        size = len(group)
+        batches = batches[phase.chunk * t.gradient_accumulation_steps:][:size]
         units, tokens = all_reduce_sum(
             [sum(self.objective.count(b) for b in batches), sum(b.num_tokens for b in batches)], self.device
         )
@@ -385,9 +419,9 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast_context(self.cfg.train, self.device)
 
-    def _accumulation_groups(self) -> Iterator[tuple[list[list[int]], int]]:
+    def _accumulation_groups(self) -> Iterator[tuple[list[list[int]], Phase]]:
         """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time, each group with
-        its iteration (0 .. iterations - 1: the objective steps that many times on one prepared group)."""
+        its place in its rollout: `buffer` groups prepared together, stepped on `iterations` times in order."""
         t = self.cfg.train
         size, epoch = t.per_device_train_batch_size, self.state.epoch
         batches = epoch_micro_batches(
@@ -395,9 +429,12 @@ class Trainer:
         )
         remaining = batches[self.state.batches_in_epoch :]
         ga = t.gradient_accumulation_steps
-        for start in range(0, len(remaining), ga):
+        for start in range(0, len(remaining), ga * self.buffer):
+            rollout = remaining[start : start + ga * self.buffer]
+            groups = [rollout[i : i + ga] for i in range(0, len(rollout), ga)]
             for iteration in range(self.iterations):
-                yield remaining[start : start + ga], iteration
+                for chunk, group in enumerate(groups):
+                    yield group, Phase(rollout, chunk, iteration, len(groups), self.iterations)
 
     def _advance(self, micro_batches: int, result: StepResult) -> bool:
         """Count the step into the state; True when it finished an epoch."""
@@ -494,6 +531,8 @@ class Trainer:
         self.callbacks.on_log(s, entry)
 
     def _save_checkpoint(self) -> None:
+        if hasattr(self.objective, "state_dict"):  # e.g. ppo's adaptive KL coefficient
+            self.state.objective = self.objective.state_dict()
         path = self.strategy.save_checkpoint(self.output_dir, self.tokenizer, self.scheduler, self.state,
                                              is_main=self.is_main)
         if self.is_main:
@@ -507,6 +546,8 @@ class Trainer:
         self.pissa_init = checkpoint.keep_pissa_init(self.model, self.output_dir, folder, write=self.is_main)
         if folder is not None:
             self.state = self.strategy.load_checkpoint(folder, self.scheduler)
+            if hasattr(self.objective, "load_state_dict") and self.state.objective:
+                self.objective.load_state_dict(self.state.objective)
             self.state.total_steps = self.total_steps
             self.state.status = "running"
             if self.state.batches_in_epoch >= self.micro_batches_per_epoch:  # the data shrank since the save

@@ -61,6 +61,7 @@ class Objective(Protocol):
 from tuneforge.train.objectives.grpo import GRPOObjective  # noqa: E402
 from tuneforge.train.objectives.kto import KTOObjective  # noqa: E402
 from tuneforge.train.objectives.lm import LMObjective  # noqa: E402
+from tuneforge.train.objectives.ppo import PPOObjective  # noqa: E402
 from tuneforge.train.objectives.preference import PreferenceObjective  # noqa: E402
 from tuneforge.train.objectives.reference import (  # noqa: E402
     AdapterReference,
@@ -76,7 +77,7 @@ lm_objective = LMObjective()
 # names its objective. reference: the frozen reference (AdapterReference / ModelReference) when the stage
 # uses one, else None. generate: what the workflow hands objectives to sample completions with: callable as
 # generate(model, prompts, **overrides), and for RL objectives also decoding, collation and the rewards
-# (grpo.Rollouts; tuneforge/rollout.py builds it).
+# (sampling.Rollouts; tuneforge/rollout.py builds it).
 ObjectiveFactory = Callable[..., Objective]
 OBJECTIVES: dict[str, ObjectiveFactory] = {}
 
@@ -109,10 +110,11 @@ register_objective("reward", lambda cfg, reference=None, generate=None: RewardOb
 register_objective("preference", lambda cfg, reference=None, generate=None: PreferenceObjective.from_config(cfg, reference))
 register_objective("kto", lambda cfg, reference=None, generate=None: KTOObjective.from_config(cfg, reference))
 register_objective("grpo", lambda cfg, reference=None, generate=None: GRPOObjective.from_config(cfg, reference, generate))
+register_objective("ppo", lambda cfg, reference=None, generate=None: PPOObjective.from_config(cfg, reference, generate))
 
 
 __all__ = [
     "OBJECTIVES", "AdapterReference", "Batch", "GRPOObjective", "KTOObjective", "LMObjective", "ModelReference", "Objective",
-    "ObjectiveFactory", "ObjectiveOutput", "PreferenceObjective", "Reference", "RewardObjective", "build_objective",
+    "ObjectiveFactory", "ObjectiveOutput", "PPOObjective", "PreferenceObjective", "Reference", "RewardObjective", "build_objective",
     "lm_objective", "reference_logps", "register_objective",
 ]

@@ -1,10 +1,13 @@
-"""The policy-gradient pieces of the RL objectives, each a small pure function of tensors.
+"""The policy-gradient pieces of the RL objectives (grpo, ppo), each a small pure function of tensors.
 
 Token tensors are flat, one entry per completion token that takes part in the loss, in token_logps' order;
 `owners` names each token's completion (0 .. S-1).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -74,3 +77,86 @@ def aggregate(
     if loss_type == "bnpo":
         return token_losses.sum() / max(token_losses.numel(), 1)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, not {loss_type!r}")
+
+
+# ---- PPO ------------------------------------------------------------------------------------------------------
+def per_sequence(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """(S, T) rows of a flat token tensor whose sequences are consecutive (lengths each), zero-padded on the right."""
+    return torch.nn.utils.rnn.pad_sequence(list(torch.split(flat, lengths)), batch_first=True)
+
+
+def flatten(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The inverse of per_sequence."""
+    return torch.cat([row[:n] for row, n in zip(rows, lengths, strict=True)])
+
+
+def kl_shaped_rewards(
+    scores: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor, lengths: list[int], kl_coef: float
+) -> torch.Tensor:
+    """Per-token rewards of PPO for RLHF: -kl_coef * (logp - ref_logp) at every completion token, plus the
+    sequence's score at its last token. scores: (S,); the rest flat, sequences consecutive (lengths each)."""
+    rewards = -kl_coef * (logps - ref_logps)
+    ends = torch.tensor(lengths, device=rewards.device).cumsum(0) - 1
+    return rewards.index_add(0, ends, scores.to(rewards.dtype))
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: list[int], gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), flat like the inputs: generalized advantage estimation over each completion,
+    A_t = sum_k (gamma lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t, with V = 0 after the last token;
+    returns = A + V (the value head's targets)."""
+    r, v = per_sequence(rewards, lengths), per_sequence(values, lengths)  # the padding is 0: no value after the end
+    advantages = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        next_value = v[:, t + 1] if t + 1 < r.shape[1] else torch.zeros_like(running)
+        running = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = flatten(advantages, lengths)
+    return advantages, advantages + values
+
+
+def whiten(values: torch.Tensor, mean: float, variance: float, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / sqrt(variance + 1e-8), with the mean added back when not shift_mean (whitened rewards keep
+    their sign). mean and variance are given: they are the whole step's, over every process."""
+    whitened = (values - mean) * (variance + 1e-8) ** -0.5
+    return whitened if shift_mean else whitened + mean
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, clipped) of PPO's value loss: 0.5 max((V - R)^2, (clip(V, V_old ± clip) - R)^2).
+    clipped: where the clipped term is the larger one."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    plain, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return 0.5 * torch.max(plain, clipped), clipped > plain
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, steps: int, horizon: int) -> float:
+    """The KL coefficient after one rollout of `steps` samples whose mean KL (summed over tokens) was kl: moved
+    towards target by at most 20% of the error per horizon samples (Ziegler et al. 2019)."""
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * steps / horizon)
+
+
+@dataclass
+class RunningMoments:
+    """Mean and variance of every score seen so far (PPO's score normalization), merged batch by batch."""
+
+    mean: float = 0.0
+    variance: float = 1.0  # population variance
+    count: float = 0.0
+
+    def update(self, batch_mean: float, batch_variance: float, batch_count: float) -> None:
+        """Merge a batch's mean, population variance and size (Chan et al.'s parallel formula)."""
+        total = self.count + batch_count
+        delta = batch_mean - self.mean
+        squares = self.variance * self.count + batch_variance * batch_count + delta**2 * self.count * batch_count / total
+        self.mean += delta * batch_count / total
+        self.variance, self.count = squares / total, total
+
+    @property
+    def std(self) -> float:
+        """The sample standard deviation (1 until there are two scores)."""
+        return math.sqrt(self.variance * self.count / (self.count - 1)) if self.count > 1 else 1.0

@@ -138,23 +138,61 @@ def token_logps(
     head: "fused", "forward" or "auto" (fused when can_fuse_head(model) and ZeRO-3 does not partition the
     head); see the module docstring. chunk_tokens: rows per fp32 chunk (default CHUNK_ELEMENTS / vocab size).
     The model's inputs are batch.model_inputs, passed through as they are. Works on peft-wrapped models
-    (their decoder holds the adapters)."""
+    (their decoder holds the adapters) and on a value-head model (its language model's log-probs)."""
+    return _token_logps(model, batch, head, chunk_tokens, with_values=False)[0]
+
+
+def token_logps_and_values(
+    model: torch.nn.Module, batch: Batch, head: str = "auto", chunk_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, values), each (n,) fp32 in supervised_targets' order, from one decoder pass of a value-head model
+    (a PPO policy and its critic): the value head reads the same last hidden states the vocabulary projection
+    reads, at the positions that predict each target (the state before the token)."""
+    logps, values = _token_logps(model, batch, head, chunk_tokens, with_values=True)
+    return logps, values
+
+
+def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: int | None, *, with_values: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    value_head = getattr(model, "v_head", None)
+    if isinstance(value_head, torch.nn.Module):  # a ValueHeadModel: the log-probs are its language model's
+        model = model.model
+    elif with_values:
+        raise ValueError(f"{type(model).__name__} has no value head (v_head)")
     keep, targets = supervised_targets(batch)
     if fuses_head(model, head):
         projection = model.get_output_embeddings()
         hidden = model.get_decoder()(**batch.model_inputs, use_cache=False).last_hidden_state[keep]
         vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
-        return chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab))
+        logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab))
+        return logps, _values(value_head, hidden) if with_values else None
+    heads_input: list[torch.Tensor] = []  # what the vocabulary projection reads: the kept last hidden states
+    hook = (model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: heads_input.append(args[0]))
+            if with_values else None)
     explicit = isinstance(keep, tuple)
-    if _accepts_logits_to_keep(model):
-        logits = model(**batch.model_inputs, logits_to_keep=keep[1] if explicit else keep, use_cache=False).logits
-        if explicit:  # (1, targets, vocab): the kept positions, in target order
-            logits = logits[0]
-    else:
-        logits = model(**batch.model_inputs, use_cache=False).logits
+    try:
+        if _accepts_logits_to_keep(model):
+            logits = model(**batch.model_inputs, logits_to_keep=keep[1] if explicit else keep, use_cache=False).logits
+            if explicit:  # (1, targets, vocab): the kept positions, in target order
+                logits = logits[0]
+        else:
+            logits = model(**batch.model_inputs, use_cache=False).logits
+    finally:
+        if hook is not None:
+            hook.remove()
+    hidden = heads_input[-1] if with_values else None
     if logits.dim() == 3:  # the model returned every position (it ignored or lacks logits_to_keep)
         logits = logits[keep]
-    return chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]))
+        hidden = hidden[keep] if hidden is not None else None
+    elif hidden is not None and hidden.dim() == 3:
+        hidden = hidden[0]
+    logps = chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]))
+    return logps, _values(value_head, hidden) if with_values else None
+
+
+def _values(value_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
+        return value_head(hidden.float()).squeeze(-1)
 
 
 def _chunk(chunk_tokens: int | None, vocab_size: int) -> int:
