@@ -27,14 +27,17 @@ from typing import Any
 
 ROW_KINDS = ("plain", "pairwise", "feedback", "prompt")
 PAIRED_ROWS = ("pairwise", "feedback")  # row kinds that hold two sequences on one prompt
+# row kinds whose sequences may share one copy of their prompt: a pair's two, a prompt's sampled answers
+SHARED_PROMPT_ROWS = (*PAIRED_ROWS, "prompt")
 
 
 @dataclass(frozen=True)
 class Layout:
     """rows: what one dataset row holds: plain (one sequence), pairwise (chosen + rejected), feedback (a judged
     answer + its KL pair) or prompt (a prompt to sample completions from: the RL stages). flat: padding-free, the micro-batch is one row with its sequences back to back.
-    packed: a row holds several samples (position ids restart at 0 inside it). shared_prefix: a pair's two
-    sequences share one copy of their prompt (flat only)."""
+    packed: a row holds several samples (position ids restart at 0 inside it). shared_prefix: the sequences that
+    begin with the same prompt share one copy of it (flat only): a pair's two, or the answers an RL objective
+    sampled for one prompt (its collated batch is then a plain one with this flag)."""
 
     rows: str = "plain"
     flat: bool = False
@@ -46,8 +49,8 @@ class Layout:
             raise ValueError(f"Layout.rows must be one of {ROW_KINDS}, not {self.rows!r}")
         if self.shared_prefix and not self.flat:
             raise ValueError("a shared-prefix layout is padding-free (flat)")
-        if self.shared_prefix and self.rows not in PAIRED_ROWS:
-            raise ValueError(f"a shared-prefix layout shares a prompt between the two sequences of {PAIRED_ROWS} rows")
+        if self.shared_prefix and self.rows not in (*SHARED_PROMPT_ROWS, "plain"):
+            raise ValueError(f"a shared-prefix layout shares the prompt of {SHARED_PROMPT_ROWS} rows")
 
     @property
     def samples_share_rows(self) -> bool:

@@ -48,10 +48,10 @@ class Rollouts:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def collate(self, sequences: list[dict[str, list[int]]], layout: Layout) -> tuple[dict, dict]:
+    def collate(self, groups: list[list[dict[str, list[int]]]], layout: Layout) -> tuple[dict, dict]:
         from tuneforge.data.collate import Collator
 
-        return Collator(self.tokenizer.pad_token_id, layout).sequences(sequences)
+        return Collator(self.tokenizer.pad_token_id, layout).groups(groups)
 
     @property
     def reward_names(self) -> list[str]:

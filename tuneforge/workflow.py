@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tuneforge.batch import PAIRED_ROWS, Layout
+from tuneforge.batch import SHARED_PROMPT_ROWS, Layout
 from tuneforge.config import RunConfig
 from tuneforge.config.validate import uses_reference
 from tuneforge.errors import ConfigError, DataError
@@ -225,7 +225,7 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
         if not flat:
             logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
                         type(model).__name__)
-    return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in PAIRED_ROWS)
+    return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in SHARED_PROMPT_ROWS)
 
 
 def build_reference(cfg: RunConfig):

@@ -89,3 +89,51 @@ def test_value_head_scores_equal_the_unshared_batch(model, sequences):
         one_prompt = scorer.score(Collator(PAD_ID, shared("pairwise"))(rows))
         separate = scorer.score(Collator(PAD_ID, Layout(rows="pairwise", flat=True))(rows))
     torch.testing.assert_close(one_prompt, separate, rtol=1e-5, atol=1e-5)
+
+
+# ---- an RL group's answers share their prompt ------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_an_rl_group_shares_its_prompt_with_the_same_numbers(tmp_path, tiny_model_dir, tokenizer, stage):
+    from test_grpo import PROMPTS, ToyRewardRollouts, grpo_cfg
+    from test_ppo import ppo_cfg
+
+    from tuneforge.batch import Batch, sample_seed
+    from tuneforge.train.objectives import GRPOObjective, ModelReference, PPOObjective
+    from tuneforge.train.objectives.grpo import GRPOSettings
+    from tuneforge.train.objectives.ppo import PPOSettings
+
+    def packed(model):
+        attention.register()
+        model.set_attn_implementation(attention.PACKED_SDPA)
+        return model
+
+    runs = {}
+    for share in (False, True):
+        torch.manual_seed(0)  # the same fresh critic head both times
+        if stage == "grpo":
+            cfg = grpo_cfg(tmp_path, tiny_model_dir, num_generations=3, loss_type="grpo")
+            model = packed(load_model(tiny_model_dir))
+            objective = GRPOObjective(GRPOSettings.from_config(cfg), ToyRewardRollouts(cfg, tokenizer))
+        else:
+            cfg = ppo_cfg(tmp_path, tiny_model_dir, num_generations=3)
+            model = ValueHeadModel(packed(load_model(tiny_model_dir)), critic=True)
+            objective = PPOObjective(PPOSettings.from_config(cfg), ToyRewardRollouts(cfg, tokenizer),
+                                     ModelReference(packed(load_model(tiny_model_dir, seed=1))))
+        prompts = Batch({}, {"prompt_ids": PROMPTS[:3], "columns": [{}] * 3},
+                        Layout(rows="prompt", flat=True, shared_prefix=share), num_rows=3,
+                        sample_seeds=tuple(sample_seed(42, 0, i) for i in range(3)))
+        with torch.no_grad():
+            (batch,) = objective.prepare_step(model, [prompts])
+        out = objective(model, batch)
+        (out.loss_sum / objective.count(batch)).backward()
+        runs[share] = (batch, float(out.loss_sum.detach()), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (plain, loss, grads), (shared_batch, shared_loss, shared_grads) = runs[False], runs[True]
+    assert shared_batch.model_inputs["input_ids"].numel() < plain.model_inputs["input_ids"].numel() - 2 * 9
+    assert shared_batch.num_tokens == plain.num_tokens  # throughput counts every sequence's tokens
+    assert shared_loss == pytest.approx(loss, rel=1e-4, abs=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
+    if stage == "ppo":
+        for key in ("old_logps", "old_values", "returns", "advantages"):
+            torch.testing.assert_close(shared_batch.targets[key], plain.targets[key], rtol=1e-4, atol=1e-5, msg=key)

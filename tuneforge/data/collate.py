@@ -21,11 +21,13 @@ rejected_0 .. rejected_{B-1}), collated as plain rows are, plus the targets the 
 `sequence_ids` (shaped like input_ids: the sequence of each token, -1 on padding), `sequence_ends` (S,)
 (the index in input_ids.view(-1) of each sequence's last token), `kto_tags` (B,) for feedback rows, and
 `ref_logps` (S,) float32 when the rows carry precomputed reference log-probs. A shared-prefix layout puts
-each row's two sequences on one copy of their prompt (shared_prompt_batch).
+each row's two sequences on one copy of their prompt (shared_prompt_batch); the RL objectives' groups of
+sampled answers to one prompt go the same way (Collator.groups, shared_prompt_groups).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,6 +136,13 @@ class Collator:
         ]
         return self.sequences(sequences)
 
+    def groups(self, groups: list[list[dict[str, Any]]]) -> Columns:
+        """Groups of sequences that begin with the same prompt (an RL rollout's answers to each prompt), numbered
+        in order: on one copy of each prompt under a shared-prefix layout, else as `sequences` collates them."""
+        if self.layout.shared_prefix:
+            return shared_prompt_groups([[(s["input_ids"], s["labels"]) for s in group] for group in groups])
+        return self.sequences([s for group in groups for s in group])
+
     def sequences(self, sequences: list[dict[str, Any]]) -> Columns:
         """S sequences ({input_ids, labels[, attention_mask]}) collated one per row, or back to back when flat, with
         `sequence_ids` and `sequence_ends` among the targets (the RL objectives collate their completions so)."""
@@ -149,54 +158,69 @@ def own_positions(row: dict[str, Any]) -> list[int]:
     return list(row["position_ids"]) if "position_ids" in row else list(range(len(row["input_ids"])))
 
 
-def shared_prefix_len(first: tuple[list, list], second: tuple[list, list]) -> int:
-    """Leading tokens both sequences share, none of them a target (so their hidden states serve both);
+def shared_prefix_len(*sequences: tuple[list, list]) -> int:
+    """Leading tokens all sequences share, none of them a target (so their hidden states serve all of them);
     at least one token of each sequence stays its own."""
-    (ids_a, labels_a), (ids_b, labels_b) = first, second
-    limit = min(len(ids_a), len(ids_b)) - 1
-    n = 0
-    while n < limit and ids_a[n] == ids_b[n] and labels_a[n] == IGNORE_INDEX == labels_b[n]:
+    limit = min(len(ids) for ids, _ in sequences) - 1
+    (first_ids, _), n = sequences[0], 0
+    while n < limit and all(ids[n] == first_ids[n] and labels[n] == IGNORE_INDEX for ids, labels in sequences):
         n += 1
     return n
 
 
 def shared_prompt_batch(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> Columns:
-    """B preference rows -> one padding-free row where each row's two sequences share their prompt.
-
-    Row b becomes [prompt, rest of sequence A, rest of sequence B]; B's position ids continue from the
-    prompt, and `shared_prefix` (start, prompt, rest A, rest B per row) tells the attention that B sees the
-    prompt but not A. The prompt's tokens are computed once instead of twice. Because one position can now
-    predict a token of either sequence, the supervised targets are listed explicitly: `target_positions`
-    (the row index of the hidden state that predicts each target), `target_ids`, `target_sequences` (its
-    sequence, 0..2B-1 in the contract's order: all A's, then all B's); `sequence_ends` as usual.
-    """
+    """B preference rows -> one padding-free row where each row's two sequences share their prompt
+    (shared_prompt_groups; sequence k of row b is sequence k * B + b, the contract's order: all A's, then all B's)."""
     count = len(rows)
+    groups = [[(list(r[f"{p}input_ids"]), list(r[f"{p}labels"])) for p in prefixes] for r in rows]
+    return shared_prompt_groups(groups, lambda b, k: k * count + b)
+
+
+def shared_prompt_groups(groups: list[list[tuple[list[int], list[int]]]],
+                         number: Callable[[int, int], int] | None = None) -> Columns:
+    """Groups of sequences (input_ids, labels) that begin with the same prompt -> one padding-free row where
+    each group's prompt is computed once.
+
+    Group g becomes [prompt, rest of sequence 1, rest of sequence 2, ...]; every later sequence's position ids
+    continue from the prompt, and `shared_prefix` (start, prompt, each rest's length per group, 0 where a group
+    has fewer sequences) tells the attention that it sees the prompt but no other sequence. Because one
+    position can now predict a token of several sequences, the supervised targets are listed explicitly:
+    `target_positions` (the row index of the hidden state that predicts each target), `target_ids`,
+    `target_sequences` (its sequence: number(g, k), default the running count); `sequence_ends` as usual.
+    """
+    offsets = [0]
+    for group in groups:
+        offsets.append(offsets[-1] + len(group))
+    number = number or (lambda g, k: offsets[g] + k)
+    width = max(len(group) for group in groups)
     input_ids: list[int] = []
     positions: list[int] = []
-    groups, ends = [], [0] * (2 * count)
+    shape, ends = [], [0] * offsets[-1]
     target_positions: list[int] = []
     target_ids: list[int] = []
     target_sequences: list[int] = []
-    for b, r in enumerate(rows):
-        pair = [(list(r[f"{p}input_ids"]), list(r[f"{p}labels"])) for p in prefixes]
-        (ids_a, _), (ids_b, _) = pair
-        shared, start = shared_prefix_len(*pair), len(input_ids)
-        input_ids += ids_a + ids_b[shared:]
-        positions += list(range(len(ids_a))) + list(range(shared, len(ids_b)))
-        groups.append([start, shared, len(ids_a) - shared, len(ids_b) - shared])
-        for k, (ids, labels) in enumerate(pair):
-            own = start if k == 0 else start + len(ids_a) - shared  # token j >= shared sits at own + j
+    for g, group in enumerate(groups):
+        shared, start = shared_prefix_len(*group), len(input_ids)
+        input_ids += group[0][0][:shared]
+        positions += list(range(shared))
+        rests = []
+        for k, (ids, labels) in enumerate(group):
+            own = len(input_ids) - shared  # token j >= shared of this sequence sits at own + j
+            input_ids += ids[shared:]
+            positions += list(range(shared, len(ids)))
+            rests.append(len(ids) - shared)
             where = [start + j if j < shared else own + j for j in range(len(ids))]  # each token's row index
             for j in range(1, len(ids)):
                 if labels[j] != IGNORE_INDEX:
                     target_positions.append(where[j - 1])
                     target_ids.append(labels[j])
-                    target_sequences.append(k * count + b)
-            ends[k * count + b] = where[-1]
+                    target_sequences.append(number(g, k))
+            ends[number(g, k)] = where[-1]
+        shape.append([start, shared, *rests] + [0] * (width - len(group)))
     model_inputs = {
         "input_ids": torch.tensor([input_ids], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
-        "shared_prefix": torch.tensor(groups, dtype=torch.long),
+        "shared_prefix": torch.tensor(shape, dtype=torch.long),
     }
     return model_inputs, {
         "sequence_ends": torch.tensor(ends, dtype=torch.long),

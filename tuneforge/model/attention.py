@@ -7,9 +7,10 @@ N tokens, most of it masked out. This implementation runs sdpa's causal kernel o
 instead (sum of n_i^2 / 2), which is what flash-attention's varlen kernel does on a GPU.
 
 It also runs *shared-prompt* rows (`shared_prefix`), the layout a preference batch takes when its two
-answers to one prompt go through the model together: [prompt, answer A, answer B] with answer B's position
-ids continuing from the prompt, so the prompt is computed once instead of twice. Each group's prompt +
-answer A is one causal sequence; answer B attends to the prompt and causally to itself, never to answer A.
+answers to one prompt go through the model together, and an RL batch when its G sampled answers to one prompt
+do: [prompt, answer 1, answer 2, ...] with each later answer's position ids continuing from the prompt, so the
+prompt is computed once instead of G times. Each group's prompt + answer 1 is one causal sequence; every later
+answer attends to the prompt and causally to itself, never to another answer.
 
 It is registered with transformers as PACKED_SDPA. Calls without `cu_seq_lens_q` or `shared_prefix`
 (generation, padded batches) and sliding-window layers take transformers' own sdpa path with its mask.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 PACKED_SDPA = "tuneforge_packed_sdpa"
-SHARED_PREFIX = "shared_prefix"  # (groups, 4) long: start, prompt length, answer A length, answer B length
+SHARED_PREFIX = "shared_prefix"  # (groups, 2 + answers) long: start, prompt length, each answer's length (0: none)
 # the keywords of a padding-free batch that the model forwards down to its attention
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", SHARED_PREFIX)
 
@@ -55,16 +56,19 @@ def _shared_prefix_attention(module, query, key, value, groups, dropout, scaling
                                       is_causal=mask is None, **kwargs)[0]
 
     pieces = []
-    for start, prompt, first, second in groups.tolist():
-        a_end = start + prompt + first
-        pieces.append(attend(query[:, :, start:a_end], key[:, :, start:a_end], value[:, :, start:a_end], None))
-        if second:
-            b_end = a_end + second
-            keys = torch.cat([key[:, :, start : start + prompt], key[:, :, a_end:b_end]], dim=2)
-            values = torch.cat([value[:, :, start : start + prompt], value[:, :, a_end:b_end]], dim=2)
-            # answer B's i-th token sees the whole prompt and B's tokens up to itself
-            visible = torch.ones(second, prompt + second, dtype=torch.bool, device=query.device).tril(prompt)
-            pieces.append(attend(query[:, :, a_end:b_end], keys, values, visible[None, None]))
+    for start, prompt, first, *others in groups.tolist():
+        end = start + prompt + first
+        pieces.append(attend(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None))
+        for length in others:
+            if not length:
+                continue
+            own = slice(end, end + length)
+            keys = torch.cat([key[:, :, start : start + prompt], key[:, :, own]], dim=2)
+            values = torch.cat([value[:, :, start : start + prompt], value[:, :, own]], dim=2)
+            # the answer's i-th token sees the whole prompt and the answer's tokens up to itself
+            visible = torch.ones(length, prompt + length, dtype=torch.bool, device=query.device).tril(prompt)
+            pieces.append(attend(query[:, :, own], keys, values, visible[None, None]))
+            end += length
     return torch.cat(pieces, dim=1), None
 
 
@@ -90,7 +94,7 @@ def supports_padding_free(model: torch.nn.Module) -> bool:
 
 def runs_shared_prefix(model: torch.nn.Module) -> bool:
     """True when the model runs PACKED_SDPA (which reads `shared_prefix`) and has no sliding-window layers,
-    so a preference pair's two sequences can share one forward of their prompt."""
+    so the answers to one prompt (a preference pair, an RL group) can share one forward of their prompt."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     return config._attn_implementation == PACKED_SDPA and not sliding

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tuneforge.batch import Batch, Layout
+from tuneforge.batch import Batch
 from tuneforge.train.objectives import ObjectiveOutput
 from tuneforge.train.objectives.policy import (
     aggregate,
@@ -28,7 +28,7 @@ from tuneforge.train.objectives.policy import (
     loss_units,
 )
 from tuneforge.train.objectives.sampling import Rollouts, SamplingObjective, moments_over_ranks
-from tuneforge.train.objectives.token_logps import IGNORE_INDEX, supervised_targets, token_logps
+from tuneforge.train.objectives.token_logps import IGNORE_INDEX, target_owners, token_logps
 
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
@@ -93,13 +93,9 @@ class GRPOObjective(SamplingObjective):
             learn = not (cut and s.mask_truncated_completions)
             labels = [IGNORE_INDEX] * len(prompt) + (list(completion) if learn else [IGNORE_INDEX] * len(completion))
             sequences.append({"input_ids": list(prompt) + list(completion), "labels": labels})
-        layout = Layout(rows="plain", flat=batch.layout.flat)
-        model_inputs, targets = self.rollouts.collate(sequences, layout)
-        device = next(model.parameters()).device
-        collated = Batch(model_inputs, targets, layout).to(device)
-        keep, _ = supervised_targets(collated)
-        owners = collated.targets["sequence_ids"][keep]
-        advantages = group_advantages(r["rewards"].to(device), G, s.scale_rewards, batch_std)
+        collated = self._collate(model, batch, sequences)
+        owners = target_owners(collated)
+        advantages = group_advantages(r["rewards"].to(owners.device), G, s.scale_rewards, batch_std)
         extra: dict[str, Any] = {"owners": owners, "advantages": advantages}
         if s.num_iterations > 1:  # the policy that sampled, for the ratio of the later iterations
             extra["old_logps"] = token_logps(model, collated).detach()
@@ -110,8 +106,7 @@ class GRPOObjective(SamplingObjective):
         extra["metrics"], extra["counts"] = self._group_metrics(r)
         self._keep_samples(r)
         collated.targets.update(extra)
-        tokens = sum(len(seq["input_ids"]) for seq in sequences)
-        return replace(collated, num_rows=batch.num_rows, num_tokens=tokens, sample_seeds=batch.sample_seeds)
+        return replace(collated, num_rows=batch.num_rows, sample_seeds=batch.sample_seeds)
 
     def _group_metrics(self, r: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
         """The rollout metrics, and how the rewards spread within each prompt's group."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tuneforge.batch import Batch
-from tuneforge.train.objectives.token_logps import supervised_targets, token_logps
+from tuneforge.train.objectives.token_logps import target_owners, token_logps
 
 
 @dataclass
@@ -43,12 +43,7 @@ def sequence_logps(model: torch.nn.Module, batch: Batch, head: str = "auto", chu
     The token log-probs come from token_logps.token_logps (head, chunk_tokens as there); each is added to
     the sequence that owns its target."""
     logps = token_logps(model, batch, head=head, chunk_tokens=chunk_tokens)
-    if batch.layout.shared_prefix:
-        owners = batch.targets["target_sequences"]
-    else:
-        keep, _ = supervised_targets(batch)
-        # the position that predicts a target is in the target's own sequence (boundaries are never targets)
-        owners = batch.targets["sequence_ids"][keep]
+    owners = target_owners(batch)
     count = num_sequences(batch)
     summed = logps.new_zeros(count).index_add(0, owners, logps)
     counts = torch.bincount(owners, minlength=count).to(device=summed.device, dtype=torch.float32)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tuneforge.batch import Batch, Layout
+from tuneforge.batch import Batch
 from tuneforge.train.objectives import ObjectiveOutput
 from tuneforge.train.objectives.policy import (
     RunningMoments,
@@ -37,7 +37,7 @@ from tuneforge.train.objectives.policy import (
     whiten,
 )
 from tuneforge.train.objectives.sampling import Rollouts, SamplingObjective, moments_over_ranks
-from tuneforge.train.objectives.token_logps import IGNORE_INDEX, supervised_targets, token_logps_and_values
+from tuneforge.train.objectives.token_logps import IGNORE_INDEX, target_owners, token_logps_and_values
 
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
@@ -155,12 +155,9 @@ class PPOObjective(SamplingObjective):
         log-probs, and the KL-shaped per-token rewards."""
         sequences = [{"input_ids": list(r["prompts"][b]) + list(c), "labels": [IGNORE_INDEX] * len(r["prompts"][b]) + list(c)}
                      for b, c in zip(r["owners"], r["completions"], strict=True)]
-        model_inputs, targets = self.rollouts.collate(sequences, Layout(rows="plain", flat=batch.layout.flat))
-        device = next(model.parameters()).device
-        collated = Batch(model_inputs, targets, Layout(rows="plain", flat=batch.layout.flat)).to(device)
-        collated = replace(collated, num_tokens=sum(len(seq["input_ids"]) for seq in sequences))
-        keep, _ = supervised_targets(collated)
-        owners = collated.targets["sequence_ids"][keep]
+        collated = self._collate(model, batch, sequences)
+        device = collated.targets["sequence_ends"].device
+        owners = target_owners(collated)
         lengths = torch.bincount(owners, minlength=len(sequences)).tolist()
         old_logps, old_values = token_logps_and_values(model, collated)
         ref_logps = self.reference.token_logps(model, collated)

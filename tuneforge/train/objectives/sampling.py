@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 
-from tuneforge.batch import Batch, sample_seed
+from tuneforge.batch import Batch, Layout, sample_seed
 
 SAMPLES_LOGGED = 2  # completions shown in each trainer_log.jsonl line
 
@@ -30,8 +31,9 @@ class Rollouts(Protocol):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def collate(self, sequences: list[dict[str, list[int]]], layout: Any) -> tuple[dict, dict]:
-        """Sequences ({input_ids, labels}) -> (model_inputs, targets with sequence_ids / sequence_ends)."""
+    def collate(self, groups: list[list[dict[str, list[int]]]], layout: Layout) -> tuple[dict, dict]:
+        """Groups of sequences ({input_ids, labels}) that begin with the same prompt -> (model_inputs, targets):
+        on one copy of each prompt under a shared-prefix layout (data.collate.Collator.groups)."""
         ...
 
     def score(self, prompts: list[str], completions: list[str], columns: list[dict[str, Any]],
@@ -83,6 +85,16 @@ class SamplingObjective:
         return {"prompts": prompts, "owners": owners, "completions": completions, "texts": texts,
                 "prompt_texts": prompt_texts, "per_reward": per_reward.float(), "rewards": total.float(),
                 "truncated": truncated}
+
+    def _collate(self, model: torch.nn.Module, batch: Batch, sequences: list[dict[str, list[int]]]) -> Batch:
+        """The prompt + completion sequences of a micro-batch (num_generations consecutive ones per prompt) on the
+        model's device; with a shared-prefix layout each prompt is computed once for its completions."""
+        G, layout = self.num_generations, Layout(rows="plain", flat=batch.layout.flat,
+                                                 shared_prefix=batch.layout.shared_prefix)
+        groups = [sequences[i : i + G] for i in range(0, len(sequences), G)]
+        model_inputs, targets = self.rollouts.collate(groups, layout)
+        collated = Batch(model_inputs, targets, layout).to(next(model.parameters()).device)
+        return replace(collated, num_tokens=sum(len(seq["input_ids"]) for seq in sequences))
 
     def _rollout_metrics(self, r: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
         """Sums (and their counts) of what the rollouts scored, so the trainer averages them over the window."""

@@ -59,6 +59,15 @@ def supervised_targets(batch: Batch) -> tuple[torch.Tensor | tuple[int, torch.Te
     return keep, batch.targets["labels"][:, 1:][keep[:, :-1]]
 
 
+def target_owners(batch: Batch) -> torch.Tensor:
+    """The sequence of each supervised target, in supervised_targets' order."""
+    if batch.layout.shared_prefix:
+        return batch.targets["target_sequences"]
+    keep, _ = supervised_targets(batch)
+    # the position that predicts a target is in the target's own sequence (boundaries are never targets)
+    return batch.targets["sequence_ids"][keep]
+
+
 def weights_partitioned(module: torch.nn.Module) -> bool:
     """True when DeepSpeed ZeRO-3 partitions the module's weights (gathered only while the module runs).
 
