@@ -164,14 +164,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     )
     # data first: a bad row or template fails before the weights load
     tokenizer, splits = prepare_data(cfg)
-    if stage.samples:  # a reward reads a column the data lacks: say so before the weights load
-        from tuneforge.rewards import required_columns
-
-        for name, columns in splits.stats.get("dataset_columns", {}).items():
-            try:
-                required_columns(cfg, columns)
-            except DataError as e:
-                raise DataError(f"dataset '{name}': {e}") from None
+    check_reward_columns(cfg, splits)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
     layout = batch_layout(cfg, splits, model)
     before = ask_model(cfg, model, tokenizer, ask) if ask else None
@@ -192,6 +185,19 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     if ask:
         results["answers"] = {"question": ask, "before": before, "after": ask_model(cfg, model, tokenizer, ask)}
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
+
+
+def check_reward_columns(cfg: RunConfig, splits) -> None:
+    """A reward reads a column the data lacks: say so (naming the dataset) before the weights load."""
+    if not stage_of(cfg.method.stage).samples:
+        return
+    from tuneforge.rewards import required_columns
+
+    for name, columns in splits.stats.get("dataset_columns", {}).items():
+        try:
+            required_columns(cfg, columns)
+        except DataError as e:
+            raise DataError(f"dataset '{name}': {e}") from None
 
 
 def rollout_generator(cfg: RunConfig, tokenizer):

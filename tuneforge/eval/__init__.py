@@ -5,7 +5,9 @@ One dispatch, three kinds of evaluation:
    results.json, results.log in save_dir (else output_dir, else ./eval_<task>).
 2. `predict_with_generate` or `do_predict`: generate an answer for every eval row and score it
    (eval/predict.py) -> generated_predictions.jsonl, predict_results.json in save_dir or output_dir.
-3. otherwise: the loss / perplexity on the eval data (eval/loss.py) -> eval_results.json there.
+3. a stage that samples (grpo, ppo): held-out rewards of sampled answers to the eval prompts (eval/rewards.py)
+   -> eval_results.json, generated_completions.jsonl there.
+4. otherwise: the loss / perplexity on the eval data (eval/loss.py) -> eval_results.json there.
 
 `evaluate(cfg)` returns the figures, "files" (the paths written) and "summary" (lines for the CLI). It
 evaluates the model and adapters cfg names; the CLI (`tuneforge eval`, and `tuneforge train` with
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.errors import ConfigError
+from tuneforge.stages import STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +29,15 @@ __all__ = ["eval_kind", "evaluate", "output_folder"]
 
 
 def eval_kind(cfg: Any) -> str:
-    """"mc", "predict" or "loss": what evaluate(cfg) runs."""
+    """"mc", "predict", "rewards" or "loss": what evaluate(cfg) runs."""
+    from tuneforge.stages import stage_of
+
     if cfg.eval.task:
         return "mc"
     if cfg.train.predict_with_generate or cfg.train.do_predict:
         return "predict"
+    if cfg.method.stage in STAGES and stage_of(cfg.method.stage).samples:
+        return "rewards"
     return "loss"
 
 
@@ -75,6 +82,10 @@ def evaluate(cfg: Any) -> dict[str, Any]:
         from tuneforge.eval.predict import predict
 
         result = predict(cfg, out_dir)
+    elif kind == "rewards":
+        from tuneforge.eval.rewards import evaluate_rewards
+
+        result = evaluate_rewards(cfg, out_dir)
     else:
         from tuneforge.eval.loss import evaluate_loss
 
