@@ -15,6 +15,9 @@ def cfg(tmp_path, **kw):
     [
         ({"model_name_or_path": None}, "model_name_or_path is required"),
         ({"stage": "ppo"}, "stage ppo needs a reward: set reward_funcs"),
+        ({"stage": "dpo", "ref_model_quantization_bit": 4}, "ref_model_quantization_bit applies to ref_model"),
+        ({"stage": "dpo", "ref_model": "m", "ref_model_quantization_bit": 4, "fsdp": "full_shard"},
+         "ref_model_quantization_bit with fsdp / deepspeed is not supported yet"),
         ({"stage": "ppo", "reward_funcs": ["length"], "beta": 0.1}, "beta applies to stage grpo, not ppo"),
         ({"stage": "grpo", "reward_funcs": ["length"], "ppo_epochs": 2}, "ppo_epochs applies to stage ppo, not grpo"),
         ({"stage": "sft", "ppo_target": 1.0}, "ppo_target applies to stage ppo, not sft"),

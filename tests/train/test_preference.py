@@ -286,3 +286,24 @@ def test_build_objective_reads_the_keys():
     cfg.method.stage = "ppo"
     with pytest.raises(ValueError, match="ppo needs a reference"):
         build_objective(cfg)
+
+
+def test_ref_model_quantization_bit_loads_the_reference_in_4_bit(smol_dir):
+    import bitsandbytes as bnb
+
+    from tuneforge.config import from_dict
+    from tuneforge.model import load_reference
+
+    # the built-in model: bitsandbytes' CPU 4-bit inference kernel needs real layer widths (the tiny model's 32 fail)
+    keys = {"model_name_or_path": str(smol_dir), "stage": "dpo", "ref_model": str(smol_dir),
+            "bf16": False, "dataset": "d"}
+    quantized = load_reference(from_dict({**keys, "ref_model_quantization_bit": 4}, for_training=False), device="cpu")
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in quantized.modules())
+    plain = load_reference(from_dict(keys, for_training=False), device="cpu")
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in plain.modules())
+    batch = pairwise_batch(*SHAPE)
+    with torch.no_grad():
+        q, p = sequence_logps(quantized, batch).logps, sequence_logps(plain, batch).logps
+    # the same model, rounded to 4 bits: close log-probs, not equal ones
+    assert not torch.equal(q, p)
+    torch.testing.assert_close(q, p, rtol=0.15, atol=1.0)  # random tokens: log-probs near -45, within 10%

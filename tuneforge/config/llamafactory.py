@@ -63,7 +63,7 @@ NOT_YET: tuple[str, ...] = (
     "swanlab_run_name", "swanlab_mode", "swanlab_api_key", "swanlab_logdir", "swanlab_lark_webhook_url",
     "swanlab_lark_secret", "pure_bf16", "freeze_vision_tower", "freeze_multi_modal_projector",
     "freeze_language_model", "compute_accuracy", "disable_shuffling",
-    "ref_model_quantization_bit", "ld_alpha",
+    "ld_alpha",
     "ray_storage_filesystem",
     # training
     "eval_accumulation_steps", "eval_delay", "tf32", "data_seed",

@@ -82,8 +82,10 @@ class MethodArgs:
     dpo_label_smoothing: float = opt(0.0, help="cDPO: share of preference labels assumed flipped (sigmoid)")
     kto_chosen_weight: float = opt(1.0, help="kto: weight of the desirable samples' loss")
     kto_rejected_weight: float = opt(1.0, help="kto: weight of the undesirable samples' loss")
-    ref_model: str | None = opt(help="reference model for dpo / kto (default: the initial policy)")
+    ref_model: str | None = opt(help="reference model for dpo / kto / grpo / ppo (default: the initial policy)")
     ref_model_adapters: list[str] | None = opt(help="adapter folder(s) applied to ref_model")
+    ref_model_quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="load ref_model in 4 or 8 bit "
+                                                 "(bitsandbytes; quantization_type and double_quantization apply)")
     precompute_ref_log_probs: bool = opt(False, help="compute reference log-probs once, cache them, free the reference")
 
 

@@ -202,6 +202,18 @@ def _check_preference(cfg: RunConfig, fail) -> None:
         fail(problem, key=problem.keys)
     if me.ref_model_adapters and not me.ref_model:
         fail("ref_model_adapters needs ref_model (the base model the adapters belong to)", key=("ref_model_adapters", "ref_model"))
+    if me.ref_model_quantization_bit is not None:
+        if not me.ref_model:
+            fail("ref_model_quantization_bit applies to ref_model (without one, the reference is the initial policy "
+                 "as it loads); set ref_model or drop ref_model_quantization_bit",
+                 key=("ref_model_quantization_bit", "ref_model"))
+        if cfg.train.fsdp or cfg.train.deepspeed:
+            fail("ref_model_quantization_bit with fsdp / deepspeed is not supported yet (the strategies shard the "
+                 "reference, and bitsandbytes' weights do not shard); run without it, or under DDP",
+                 key="ref_model_quantization_bit")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            fail("ref_model_quantization_bit needs bitsandbytes: pip install 'tuneforge[qlora]'",
+                 key="ref_model_quantization_bit")
     if stage.reference == REFERENCE_NEVER:
         if me.ref_model or me.precompute_ref_log_probs:
             key = "ref_model" if me.ref_model else "precompute_ref_log_probs"

@@ -127,8 +127,9 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
 
 
 def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTrainedModel:
-    """The frozen reference model of dpo / kto: ref_model (with ref_model_adapters merged into it), or,
-    without one, a fresh load of model_name_or_path (the policy as it was before training).
+    """The frozen reference model of dpo / kto / grpo / ppo: ref_model (in ref_model_quantization_bit bits when
+    set, with ref_model_adapters merged into it), or, without one, a fresh load of model_name_or_path (the policy
+    as it was before training).
 
     It runs in the compute dtype (bf16 / fp16 / fp32), in eval mode, with no trainable parameter.
     lora / oft runs without ref_model need none of this: their reference is the policy with its adapters
@@ -136,10 +137,13 @@ def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTra
     """
     method = cfg.method
     device = torch.device(device) if device is not None else default_device()
-    m = replace(cfg.model, model_name_or_path=method.ref_model) if method.ref_model else cfg.model
+    m = cfg.model
+    if method.ref_model:
+        m = replace(m, model_name_or_path=method.ref_model, quantization_bit=method.ref_model_quantization_bit)
     path = resolve_model_path(m)
     dtype = compute_dtype(cfg.train)
-    model = _from_pretrained(path, load_config(path, m), m, dtype=dtype, quant=None, device=device)
+    quant = quantization_config(m, dtype) if method.ref_model else None
+    model = _from_pretrained(path, load_config(path, m), m, dtype=dtype, quant=quant, device=device)
     model.config.use_cache = False
     _use_packed_sdpa(model, cfg)
     for adapter in method.ref_model_adapters or []:
@@ -148,7 +152,8 @@ def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTra
         logger.info("reference: merged adapter %s", folder)
     model.requires_grad_(False)
     model.eval()
-    logger.info("reference model: %s (%s, frozen)", path, str(dtype).removeprefix("torch."))
+    logger.info("reference model: %s (%s%s, frozen)", path, str(dtype).removeprefix("torch."),
+                f", {_describe_quant(m)}" if quant is not None else "")
     return model
 
 
@@ -171,7 +176,10 @@ def reference_identity(cfg: RunConfig) -> dict[str, object]:
         for p in sorted(folder.iterdir())
         if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()
     ]
-    return {"files": files, "dtype": str(compute_dtype(cfg.train)), "padding_free": cfg.data.padding_free}
+    identity = {"files": files, "dtype": str(compute_dtype(cfg.train)), "padding_free": cfg.data.padding_free}
+    if method.ref_model and method.ref_model_quantization_bit:
+        identity["quantization_bit"] = method.ref_model_quantization_bit
+    return identity
 
 
 def _use_packed_sdpa(model: PreTrainedModel, cfg: RunConfig) -> None:
