@@ -166,3 +166,13 @@ def test_a_reward_server_scores_over_http(tmp_path, run_files, tiny_model_dir):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_zero3_processes_sample_and_train_what_one_process_does(tmp_path, run_files, tiny_model_dir):
+    pytest.importorskip("deepspeed")
+    one = tmp_path / "one"
+    train(run_files, one, tiny_model_dir, "per_device_train_batch_size=4", "beta=0.05")
+    two = tmp_path / "two"
+    train(run_files, two, tiny_model_dir, "per_device_train_batch_size=2", "beta=0.05",
+          "deepspeed=examples/deepspeed/ds_z3_config.json", processes=2)
+    assert_same_run(one, two, atol=1e-5)

@@ -131,3 +131,21 @@ def test_fsdp_processes_train_what_one_process_trains(tmp_path, ppo_config, tiny
         torch.testing.assert_close(weight, expected[name], atol=1e-5, rtol=0)
     critic, expected = load_file(two / "critic_head.safetensors"), load_file(one / "critic_head.safetensors")
     torch.testing.assert_close(critic["v_head.weight"], expected["v_head.weight"], atol=1e-5, rtol=0)
+
+
+def test_zero3_processes_train_what_one_process_trains(tmp_path, ppo_config, tiny_model_dir):
+    pytest.importorskip("deepspeed")
+    one = tmp_path / "one"
+    train(ppo_config, one, tiny_model_dir, "per_device_train_batch_size=4", "max_steps=2", "save_strategy=no")
+    two = tmp_path / "two"
+    r = train(ppo_config, two, tiny_model_dir, "per_device_train_batch_size=2", "max_steps=2", "save_strategy=no",
+              "deepspeed=examples/deepspeed/ds_z3_config.json", processes=2)
+    assert "ZeRO stage 3 over 2 processes" in r.stderr
+    for row_a, row_b in zip(logged_steps(one), logged_steps(two), strict=True):
+        assert row_b["reward"] == pytest.approx(row_a["reward"], abs=1e-5)
+        assert row_b["loss"] == pytest.approx(row_a["loss"], abs=1e-4)
+    expected = load_file(one / "adapter_model.safetensors")
+    for name, weight in load_file(two / "adapter_model.safetensors").items():
+        torch.testing.assert_close(weight, expected[name], atol=1e-5, rtol=0)
+    critic, expected = load_file(two / "critic_head.safetensors"), load_file(one / "critic_head.safetensors")
+    torch.testing.assert_close(critic["v_head.weight"], expected["v_head.weight"], atol=1e-5, rtol=0)
