@@ -68,10 +68,10 @@ def check_rl(cfg: RunConfig, fail: Callable[..., None]) -> None:
 
 def _check_stage_keys(cfg: RunConfig, fail: Callable[..., None]) -> None:
     """A key only another stage reads, set away from its default, would be ignored: refuse it."""
-    mine, default = stage_of(cfg.method.stage).own_keys, RLArgs()
+    mine, values, defaults = stage_of(cfg.method.stage).own_keys, cfg.to_dict(), RunConfig().to_dict()
     for other in STAGES.values():
         for key in other.own_keys:
-            if key not in mine and getattr(cfg.rl, key) != getattr(default, key):
+            if key not in mine and values[key] != defaults[key]:
                 fail(f"{key} applies to stage {other.name}, not {cfg.method.stage}; drop it", key=key)
 
 
