@@ -70,6 +70,18 @@ def logged_steps(out: Path) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+def assert_same_run(one: Path, two: Path) -> None:
+    """The same logged rollouts and losses, the same adapter and critic (fp32, 2 processes against 1)."""
+    for row_a, row_b in zip(logged_steps(one), logged_steps(two), strict=True):
+        for key in ("reward", "kl", "kl_coef", "completions/mean_length"):
+            assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), key
+        assert row_b["loss"] == pytest.approx(row_a["loss"], abs=1e-4)
+    for name in ("adapter_model.safetensors", "critic_head.safetensors"):
+        expected = load_file(one / name)
+        for key, weight in load_file(two / name).items():
+            torch.testing.assert_close(weight, expected[key], atol=1e-5, rtol=0, msg=f"{name}: {key}")
+
+
 def test_ppo_trains_against_a_reward_model_and_saves_a_policy(tmp_path, ppo_config, tiny_model_dir):
     out = tmp_path / "ppo"
     r = train(ppo_config, out, tiny_model_dir, "max_steps=4", "save_strategy=no")
@@ -97,14 +109,7 @@ def test_two_processes_train_what_one_trains_and_a_resumed_run_ends_the_same(tmp
     two = tmp_path / "two"
     train(ppo_config, two, tiny_model_dir, "per_device_train_batch_size=2", "max_steps=4", "save_strategy=steps",
           "save_steps=2", processes=2)
-    a, b = logged_steps(one), logged_steps(two)
-    for row_a, row_b in zip(a, b, strict=True):
-        for key in ("reward", "kl", "kl_coef", "completions/mean_length"):
-            assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), key
-        assert row_b["loss"] == pytest.approx(row_a["loss"], abs=1e-4)
-    expected = load_file(one / "adapter_model.safetensors")
-    for name, weight in load_file(two / "adapter_model.safetensors").items():
-        torch.testing.assert_close(weight, expected[name], atol=1e-5, rtol=0)
+    assert_same_run(one, two)
 
     resumed = tmp_path / "resumed"
     train(ppo_config, resumed, tiny_model_dir, "per_device_train_batch_size=2", "max_steps=4",
@@ -123,14 +128,7 @@ def test_fsdp_processes_train_what_one_process_trains(tmp_path, ppo_config, tiny
     two = tmp_path / "two"
     train(ppo_config, two, tiny_model_dir, "per_device_train_batch_size=2", "max_steps=2", "save_strategy=no",
           "fsdp=full_shard", processes=2)
-    for row_a, row_b in zip(logged_steps(one), logged_steps(two), strict=True):
-        assert row_b["reward"] == pytest.approx(row_a["reward"], abs=1e-5)
-        assert row_b["loss"] == pytest.approx(row_a["loss"], abs=1e-4)
-    expected = load_file(one / "adapter_model.safetensors")
-    for name, weight in load_file(two / "adapter_model.safetensors").items():
-        torch.testing.assert_close(weight, expected[name], atol=1e-5, rtol=0)
-    critic, expected = load_file(two / "critic_head.safetensors"), load_file(one / "critic_head.safetensors")
-    torch.testing.assert_close(critic["v_head.weight"], expected["v_head.weight"], atol=1e-5, rtol=0)
+    assert_same_run(one, two)
 
 
 def test_zero3_processes_train_what_one_process_trains(tmp_path, ppo_config, tiny_model_dir):
@@ -141,11 +139,4 @@ def test_zero3_processes_train_what_one_process_trains(tmp_path, ppo_config, tin
     r = train(ppo_config, two, tiny_model_dir, "per_device_train_batch_size=2", "max_steps=2", "save_strategy=no",
               "deepspeed=examples/deepspeed/ds_z3_config.json", processes=2)
     assert "ZeRO stage 3 over 2 processes" in r.stderr
-    for row_a, row_b in zip(logged_steps(one), logged_steps(two), strict=True):
-        assert row_b["reward"] == pytest.approx(row_a["reward"], abs=1e-5)
-        assert row_b["loss"] == pytest.approx(row_a["loss"], abs=1e-4)
-    expected = load_file(one / "adapter_model.safetensors")
-    for name, weight in load_file(two / "adapter_model.safetensors").items():
-        torch.testing.assert_close(weight, expected[name], atol=1e-5, rtol=0)
-    critic, expected = load_file(two / "critic_head.safetensors"), load_file(one / "critic_head.safetensors")
-    torch.testing.assert_close(critic["v_head.weight"], expected["v_head.weight"], atol=1e-5, rtol=0)
+    assert_same_run(one, two)
