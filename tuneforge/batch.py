@@ -49,8 +49,6 @@ class Layout:
             raise ValueError(f"Layout.rows must be one of {ROW_KINDS}, not {self.rows!r}")
         if self.shared_prefix and not self.flat:
             raise ValueError("a shared-prefix layout is padding-free (flat)")
-        if self.shared_prefix and self.rows not in (*SHARED_PROMPT_ROWS, "plain"):
-            raise ValueError(f"a shared-prefix layout shares the prompt of {SHARED_PROMPT_ROWS} rows")
 
     @property
     def samples_share_rows(self) -> bool:

@@ -30,13 +30,12 @@ __all__ = ["eval_kind", "evaluate", "output_folder"]
 
 def eval_kind(cfg: Any) -> str:
     """"mc", "predict", "rewards" or "loss": what evaluate(cfg) runs."""
-    from tuneforge.stages import stage_of
-
     if cfg.eval.task:
         return "mc"
     if cfg.train.predict_with_generate or cfg.train.do_predict:
         return "predict"
-    if cfg.method.stage in STAGES and stage_of(cfg.method.stage).samples:
+    stage = STAGES.get(cfg.method.stage)
+    if stage is not None and stage.samples:
         return "rewards"
     return "loss"
 

@@ -45,6 +45,7 @@ def evaluate_rewards(cfg: Any, out_dir: Path) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.model.inference import load_inference_model
     from tuneforge.rollout import Rollouts
+    from tuneforge.train.trainer import add_into, metric_means
     from tuneforge.workflow import check_reward_columns, prepare_data
 
     tokenizer, splits = prepare_data(cfg)  # bad rows, templates and missing reward columns fail before the weights load
@@ -65,16 +66,15 @@ def evaluate_rewards(cfg: Any, out_dir: Path) -> dict[str, Any]:
         batch = replace(batch, sample_seeds=tuple(sample_seed(cfg.train.seed, "eval", i) for i in indices))
         r = sampler._sample(model, batch)
         metrics, metric_counts = sampler._rollout_metrics(r)
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + metric_counts[key]
+        add_into(sums, metrics)
+        add_into(counts, metric_counts)
         names = sampler.rollouts.reward_names
         for b, text, total, scores in zip(r["owners"], r["texts"], r["rewards"].tolist(), r["per_reward"].tolist(),
                                           strict=True):
             lines.append({"prompt": r["prompt_texts"][b], "completion": text, "reward": total,
                           "rewards": {n: None if math.isnan(v) else v for n, v in zip(names, scores, strict=True)}})
     runtime = time.perf_counter() - started
-    means = sampler.finish_metrics({k: v / counts[k] for k, v in sums.items() if counts[k]}, evaluating=True)
+    means = sampler.finish_metrics(metric_means(sums, counts, units=0), evaluating=True)  # every metric has a count
     results = {f"eval_{k}": v for k, v in means.items()}
     results.update(eval_samples=len(rows), eval_completions=len(lines), eval_runtime=round(runtime, 3))
     out_dir.mkdir(parents=True, exist_ok=True)

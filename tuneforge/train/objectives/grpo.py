@@ -28,7 +28,7 @@ from tuneforge.train.objectives.policy import (
     loss_units,
 )
 from tuneforge.train.objectives.sampling import Rollouts, SamplingObjective, moments_over_ranks
-from tuneforge.train.objectives.token_logps import IGNORE_INDEX, target_owners, token_logps
+from tuneforge.train.objectives.token_logps import target_owners, token_logps
 
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
@@ -87,13 +87,7 @@ class GRPOObjective(SamplingObjective):
 
     def _collated(self, model: torch.nn.Module, batch: Batch, r: dict[str, Any], batch_std: float | None) -> Batch:
         s, G = self.settings, self.settings.num_generations
-        sequences = []
-        for b, completion, cut in zip(r["owners"], r["completions"], r["truncated"], strict=True):
-            prompt = r["prompts"][b]
-            learn = not (cut and s.mask_truncated_completions)
-            labels = [IGNORE_INDEX] * len(prompt) + (list(completion) if learn else [IGNORE_INDEX] * len(completion))
-            sequences.append({"input_ids": list(prompt) + list(completion), "labels": labels})
-        collated = self._collate(model, batch, sequences)
+        collated = self._collate(model, batch, r, unlearned=r["truncated"] if s.mask_truncated_completions else None)
         owners = target_owners(collated)
         advantages = group_advantages(r["rewards"].to(owners.device), G, s.scale_rewards, batch_std)
         extra: dict[str, Any] = {"owners": owners, "advantages": advantages}
@@ -101,7 +95,7 @@ class GRPOObjective(SamplingObjective):
             extra["old_logps"] = token_logps(model, collated).detach()
         if s.beta > 0:
             extra["ref_token_logps"] = self.reference.token_logps(model, collated)
-        num_sequences, num_tokens = len(sequences), int(owners.numel())
+        num_sequences, num_tokens = len(r["completions"]), int(owners.numel())
         extra["units"] = loss_units(s.loss_type, num_sequences, num_tokens)
         extra["metrics"], extra["counts"] = self._group_metrics(r)
         self._keep_samples(r)
@@ -119,9 +113,6 @@ class GRPOObjective(SamplingObjective):
         return metrics, counts
 
     # ---- the loss -----------------------------------------------------------------------------------------
-    def count(self, batch: Batch) -> int:
-        return int(batch.targets["units"])
-
     def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
         s, t = self.settings, batch.targets
         logps = token_logps(model, batch)

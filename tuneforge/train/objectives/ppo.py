@@ -37,7 +37,7 @@ from tuneforge.train.objectives.policy import (
     whiten,
 )
 from tuneforge.train.objectives.sampling import Rollouts, SamplingObjective, moments_over_ranks
-from tuneforge.train.objectives.token_logps import IGNORE_INDEX, target_owners, token_logps_and_values
+from tuneforge.train.objectives.token_logps import target_owners, token_logps_and_values
 
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
@@ -153,23 +153,17 @@ class PPOObjective(SamplingObjective):
                          ) -> dict[str, Any]:
         """The collated prompt + completion sequences, the sampling policy's log-probs and values, the reference's
         log-probs, and the KL-shaped per-token rewards."""
-        sequences = [{"input_ids": list(r["prompts"][b]) + list(c), "labels": [IGNORE_INDEX] * len(r["prompts"][b]) + list(c)}
-                     for b, c in zip(r["owners"], r["completions"], strict=True)]
-        collated = self._collate(model, batch, sequences)
-        device = collated.targets["sequence_ends"].device
-        owners = target_owners(collated)
-        lengths = torch.bincount(owners, minlength=len(sequences)).tolist()
+        collated = self._collate(model, batch, r)
+        owners, count = target_owners(collated), len(r["completions"])
+        lengths = torch.bincount(owners, minlength=count).tolist()
         old_logps, old_values = token_logps_and_values(model, collated)
         ref_logps = self.reference.token_logps(model, collated)
         rewards = kl_shaped_rewards(scores, old_logps, ref_logps, lengths, self.kl_coef)
-        kl = torch.zeros(len(sequences), device=device).index_add(0, owners, old_logps - ref_logps)
+        kl = old_logps.new_zeros(count).index_add(0, owners, old_logps - ref_logps)
         return {"batch": collated, "lengths": lengths, "old_logps": old_logps.detach(),
                 "old_values": old_values.detach().float(), "rewards": rewards, "kl": kl}
 
     # ---- the loss -----------------------------------------------------------------------------------------
-    def count(self, batch: Batch) -> int:
-        return int(batch.targets["units"])
-
     def __call__(self, model: torch.nn.Module, batch: Batch) -> ObjectiveOutput:
         s, t = self.settings, batch.targets
         logps, values = token_logps_and_values(model, batch)

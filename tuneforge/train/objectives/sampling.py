@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from tuneforge.batch import Batch, Layout, sample_seed
+from tuneforge.train.objectives.token_logps import IGNORE_INDEX
 
 SAMPLES_LOGGED = 2  # completions shown in each trainer_log.jsonl line
 
@@ -86,15 +87,26 @@ class SamplingObjective:
                 "prompt_texts": prompt_texts, "per_reward": per_reward.float(), "rewards": total.float(),
                 "truncated": truncated}
 
-    def _collate(self, model: torch.nn.Module, batch: Batch, sequences: list[dict[str, list[int]]]) -> Batch:
-        """The prompt + completion sequences of a micro-batch (num_generations consecutive ones per prompt) on the
-        model's device; with a shared-prefix layout each prompt is computed once for its completions."""
+    def _collate(self, model: torch.nn.Module, batch: Batch, r: dict[str, Any], *,
+                 unlearned: Sequence[bool] | None = None) -> Batch:
+        """The prompt + completion sequences of a micro-batch's rollout `r` (num_generations consecutive ones per
+        prompt), the completion tokens as targets (none for a completion marked in `unlearned`), on the model's
+        device; with a shared-prefix layout each prompt is computed once for its completions."""
+        sequences = []
+        for i, (b, completion) in enumerate(zip(r["owners"], r["completions"], strict=True)):
+            prompt, learn = list(r["prompts"][b]), not (unlearned and unlearned[i])
+            labels = [IGNORE_INDEX] * len(prompt) + (list(completion) if learn else [IGNORE_INDEX] * len(completion))
+            sequences.append({"input_ids": prompt + list(completion), "labels": labels})
         G, layout = self.num_generations, Layout(rows="plain", flat=batch.layout.flat,
                                                  shared_prefix=batch.layout.shared_prefix)
         groups = [sequences[i : i + G] for i in range(0, len(sequences), G)]
         model_inputs, targets = self.rollouts.collate(groups, layout)
         collated = Batch(model_inputs, targets, layout).to(next(model.parameters()).device)
         return replace(collated, num_tokens=sum(len(seq["input_ids"]) for seq in sequences))
+
+    def count(self, batch: Batch) -> int:
+        """The units prepare_step put in the batch (they are known only once the completions are)."""
+        return int(batch.targets["units"])
 
     def _rollout_metrics(self, r: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
         """Sums (and their counts) of what the rollouts scored, so the trainer averages them over the window."""
