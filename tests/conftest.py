@@ -81,3 +81,11 @@ def lf_data_dir():
         pytest.skip(f"LlamaFactory's demo data is not at {path}: this test proves tuneforge reads LlamaFactory's own "
                     f"files, which live beside the project (../shared/data/llamafactory), not in it")
     return path
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory, smol_dir):
+    """A tiny random Qwen2-VL (the family's config, processor and chat template) saved as a HF folder."""
+    from mm_families import build_family
+
+    return build_family("qwen2_vl", tmp_path_factory.mktemp("qwen2-vl"))

@@ -43,15 +43,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_data(cfg: RunConfig, tokenizer=None):
-    """Tokenizer + tokenized splits (cached); everything `tuneforge preprocess` needs, no model weights."""
+def prepare_data(cfg: RunConfig):
+    """Tokenizer + tokenized splits (cached); everything `tuneforge preprocess` needs, no model weights.
+
+    For a vision- / audio-language model the tokenizer is its processor's, and splits.processor the processor."""
     from tuneforge.data import build
-    from tuneforge.model import load_tokenizer
+    from tuneforge.model import load_model_processor, load_tokenizer
     from tuneforge.train.dist import node_leader_first
 
-    tokenizer = tokenizer or load_tokenizer(cfg.model)
+    processor = load_model_processor(cfg.model)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
     with node_leader_first() as leader:  # many processes: one per node tokenizes, the others read its cache
-        splits = build(cfg if leader else replace(cfg, data=replace(cfg.data, overwrite_cache=False)), tokenizer)
+        splits = build(cfg if leader else replace(cfg, data=replace(cfg.data, overwrite_cache=False)), tokenizer,
+                       processor)
     logger.info("data: %s", ", ".join(f"{k}={v}" for k, v in splits.stats.items() if not isinstance(v, dict)))
     return tokenizer, splits
 
@@ -180,7 +184,9 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     elif uses_reference(cfg):
         reference = strategy.place_reference(build_reference(cfg))  # FSDP shards it, ZeRO-3 partitions it
     objective = build_objective(cfg, reference, generate=rollout_generator(cfg, tokenizer))
-    trainer = Trainer(cfg, model, tokenizer, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
+    # saved beside the model: the processor (its tokenizer included) of a vision- / audio-language model
+    files = splits.processor or tokenizer
+    trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
     results = trainer.train()
     if ask:
         results["answers"] = {"question": ask, "before": before, "after": ask_model(cfg, model, tokenizer, ask)}
@@ -226,7 +232,10 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
     rows = stage_of(cfg.method.stage).rows
     packed = bool(splits.stats.get("packing", False))
     flat = shared = False
-    if model is not None and cfg.data.padding_free:
+    if getattr(splits, "processor", None) is not None:
+        if cfg.data.padding_free:
+            logger.info("padding_free: multimodal batches are padded (padding-free media batches are not built yet)")
+    elif model is not None and cfg.data.padding_free:
         flat, shared = batch_layouts(model)
         if not flat:
             logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",

@@ -75,8 +75,8 @@ def test_local_llamafactory_datasets_load_and_encode(tokenizer, home, lf_data_di
 
 
 @pytest.mark.parametrize("name", ["mllm_demo", "mllm_audio_demo", "mllm_video_demo", "mllm_video_audio_demo"])
-def test_multimodal_datasets_are_refused_clearly(tokenizer, home, lf_data_dir, make_cfg, name):
-    with pytest.raises(DataError, match=rf"dataset '{name}': multimodal columns .* are not supported yet"):
+def test_media_datasets_need_a_model_that_reads_media(tokenizer, home, lf_data_dir, make_cfg, name):
+    with pytest.raises(DataError, match=rf"dataset '{name}' holds .* but the model is text-only"):
         build(make_cfg(lf_data_dir, dataset=name), tokenizer)
 
 

@@ -45,12 +45,10 @@ NOT_YET: tuple[str, ...] = (
     "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch",
     "offload_folder", "use_cache", "hf_hub_token", "ms_hub_token", "om_hub_token",
     "quantization_device_map", "compute_dtype", "device_map", "model_max_length", "block_diag_attn",
-    "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps",
-    "video_maxlen", "audio_sampling_rate", "use_audio_in_video", "crop_to_patches",
     "export_quantization_bit", "export_quantization_dataset", "export_quantization_nsamples",
     "export_quantization_maxlen", "export_hub_model_id", "sglang_maxlen", "sglang_mem_fraction", "sglang_tp_size", "sglang_config", "sglang_lora_backend",
     # data
-    "media_dir", "streaming", "buffer_size", "eval_num_beams", "eval_on_each_dataset",
+    "streaming", "buffer_size", "eval_num_beams", "eval_on_each_dataset",
     "tool_format", "enable_thinking",
     # method
     "oft_block_share", "module_dropout", "use_llama_pro", "use_adam_mini",
@@ -61,8 +59,7 @@ NOT_YET: tuple[str, ...] = (
     "badam_start_block", "badam_switch_mode", "badam_switch_interval", "badam_update_ratio",
     "badam_mask_mode", "badam_verbose", "use_swanlab", "swanlab_project", "swanlab_workspace",
     "swanlab_run_name", "swanlab_mode", "swanlab_api_key", "swanlab_logdir", "swanlab_lark_webhook_url",
-    "swanlab_lark_secret", "pure_bf16", "freeze_vision_tower", "freeze_multi_modal_projector",
-    "freeze_language_model", "compute_accuracy", "disable_shuffling",
+    "swanlab_lark_secret", "pure_bf16", "compute_accuracy", "disable_shuffling",
     "ld_alpha",
     "ray_storage_filesystem",
     # training

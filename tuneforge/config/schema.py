@@ -49,6 +49,17 @@ class ModelArgs:
     quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")
     double_quantization: bool = opt(True, help="4-bit: quantize the quantization constants too")
     quantization_method: str = opt("bnb", choices=("bnb",), help="quantization backend (bitsandbytes)")
+    # vision- / audio-language models: how media are prepared before the model's own processor sees them
+    image_max_pixels: int = opt(768 * 768, help="images larger than this many pixels are scaled down to it")
+    image_min_pixels: int = opt(32 * 32, help="images smaller than this many pixels are scaled up to it")
+    image_do_pan_and_scan: bool = opt(False, help="Gemma 3: also read crops of large images (pan and scan)")
+    crop_to_patches: bool = opt(False, help="InternVL-style processors: split images into patches")
+    video_max_pixels: int = opt(256 * 256, help="video frames larger than this many pixels are scaled down")
+    video_min_pixels: int = opt(16 * 16, help="video frames smaller than this many pixels are scaled up")
+    video_fps: float = opt(2.0, help="frames sampled per second of video")
+    video_maxlen: int = opt(128, help="at most this many frames per video")
+    audio_sampling_rate: int = opt(16000, help="audio is resampled to this rate")
+    use_audio_in_video: bool = opt(False, help="omni models: also hear the audio track of each video")
 
 
 @dataclass
@@ -74,6 +85,10 @@ class MethodArgs:
     oft_rank: int = opt(0, help="OFT rank (number of blocks); set this or oft_block_size")
     oft_block_size: int = opt(32, help="OFT block size; set this or oft_rank")
     oft_target: list[str] = opt(["all"], help="modules to adapt with OFT")
+    # vision- / audio-language models (full / freeze): which parts stay frozen
+    freeze_vision_tower: bool = opt(True, help="keep the vision / audio encoder frozen")
+    freeze_multi_modal_projector: bool = opt(True, help="keep the projector into the language model frozen")
+    freeze_language_model: bool = opt(False, help="keep the language model frozen (train the media side only)")
     # preference stages (rm, dpo, kto); orpo and simpo are stage dpo with that pref_loss, as in LlamaFactory
     pref_loss: str = opt("sigmoid", choices=PREF_LOSS_CHOICES, help="dpo loss: sigmoid, hinge, ipo, orpo, simpo")
     pref_beta: float = opt(0.1, help="beta of the preference loss (lambda for orpo)")
@@ -110,6 +125,7 @@ class DataArgs:
     preprocessing_batch_size: int = opt(1000, help="rows per tokenization batch")
     skip_bad_rows: bool = opt(False, help="skip (and count) malformed rows instead of stopping")
     default_system: str | None = opt(help="system prompt for rows that have none")
+    media_dir: str | None = opt(help="folder that relative image / video / audio paths start from (default: dataset_dir)")
 
 
 @dataclass

@@ -93,3 +93,14 @@ def load_splits(path: Path, *, cache_hit: bool) -> tuple[Any, Any, dict[str, Any
 
 def is_empty_folder(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
+
+
+def processor_fingerprint(processor: Any) -> str:
+    """sha256 of a processor's settings (its image / video / audio processors' configs) and chat template; the
+    tokenizer is keyed on its own."""
+    settings = processor.to_dict()
+    settings.pop("tokenizer", None)
+    h = hashlib.sha256(type(processor).__name__.encode())
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    h.update(str(getattr(processor, "chat_template", "")).encode())
+    return h.hexdigest()

@@ -36,6 +36,7 @@ from tuneforge.batch import Batch, Layout
 from tuneforge.data.encode import IGNORE_INDEX
 from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
 from tuneforge.data.encode_prompt import row_columns
+from tuneforge.data.multimodal import MEDIA_COLUMN, collate_media
 
 # the column prefixes of the sequences one row holds, per row kind of the layout
 ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), "prompt": ("",), **SEQUENCE_PREFIXES}
@@ -90,7 +91,10 @@ class Collator:
         return Batch(model_inputs, targets, self.layout, num_rows=len(rows), num_tokens=count_tokens(rows, prefixes))
 
     def _plain(self, rows: list[dict[str, Any]]) -> Columns:
+        media = [r.get(MEDIA_COLUMN) for r in rows]
         if self.layout.flat:
+            if any(media):
+                raise ValueError("multimodal rows are collated padded (the workflow's layout says so)")
             return flatten(rows, self.layout.packed)
         width = self._width(rows)
         packed = self.layout.packed
@@ -109,6 +113,8 @@ class Collator:
             model_inputs["position_ids"] = torch.tensor(positions, dtype=torch.long)
         else:
             model_inputs["attention_mask"] = torch.tensor(masks, dtype=torch.long)
+        if any(media):  # the processor's tensors: pixel values, grid sizes, per-token types
+            model_inputs.update(collate_media(media, width))
         return model_inputs, {"labels": torch.tensor(labels, dtype=torch.long)}
 
     def _preference(self, rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> Columns:

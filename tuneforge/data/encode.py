@@ -191,6 +191,22 @@ def build_sample(
     return input_ids, labels, "ok_truncated" if len(input_ids) < len(ids) else "ok"
 
 
+def build_media_sample(sample: Any, s: EncodeSettings) -> tuple[list[int], list[int], bytes, str]:
+    """(input_ids, labels, mm_inputs, status) of one rendered multimodal sample (multimodal.MediaSample), cut to
+    cutoff_len like a text sample; a cut that would lose any of a medium's tokens drops the sample instead."""
+    from tuneforge.data import multimodal
+
+    positions, position_labels, status = build_sample(list(range(len(sample.ids))), sample.spans, s)
+    if status == "dropped":
+        return [], [], b"", status
+    if not multimodal.media_kept(sample.media_spans, positions):
+        return [], [], b"", "media_cut"
+    ids = [sample.ids[p] for p in positions]
+    labels = [sample.ids[p] if label != IGNORE_INDEX else IGNORE_INDEX
+              for p, label in zip(positions, position_labels, strict=True)]
+    return ids, labels, multimodal.pack_tensors(sample.tensors, positions), status
+
+
 def batch_rows(batch: dict[str, list]) -> list[dict[str, Any]]:
     keys = list(batch)
     return [dict(zip(keys, values, strict=True)) for values in zip(*(batch[k] for k in keys), strict=True)]
@@ -209,8 +225,16 @@ def encode_supervised(
     attr: DatasetAttr,
     settings: EncodeSettings,
     row_numbers: list[int] | None = None,
+    processor: Any = None,
+    media_settings: Any = None,
 ) -> dict[str, list]:
-    """sft: chat template, labels on each assistant turn's content and end-of-turn marker."""
+    """sft: chat template, labels on each assistant turn's content and end-of-turn marker.
+
+    With a processor (a vision- / audio-language model) each row renders with its media through the processor, and
+    the rows gain mm_inputs (the processor's tensors)."""
+    if processor is not None:
+        return _encode_supervised_media(batch, indices, processor=processor, chat=chat, attr=attr,
+                                        settings=settings, media_settings=media_settings, row_numbers=row_numbers)
     rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
     status = ["bad"] * len(indices)
     for i, row in enumerate(batch_rows(batch)):
@@ -229,6 +253,27 @@ def encode_supervised(
             out["input_ids"][i], out["labels"][i], status[i] = build_sample(ids, tok_spans, settings)
     out["attention_mask"] = [[1] * len(ids) for ids in out["input_ids"]]
     out["_status"] = status
+    return out
+
+
+def _encode_supervised_media(batch: dict[str, list], indices: list[int], *, processor: Any,
+                             chat: template.ChatTemplate, attr: DatasetAttr, settings: EncodeSettings,
+                             media_settings: Any, row_numbers: list[int] | None) -> dict[str, list]:
+    from tuneforge.data import media, multimodal
+
+    out: dict[str, list] = {"input_ids": [], "labels": [], multimodal.MEDIA_COLUMN: [], "_status": []}
+    for i, row in enumerate(batch_rows(batch)):
+        try:
+            conv = formats.to_conversation(row, attr, default_system=settings.default_system)
+            conv.media = media.row_media(row, attr.columns)
+            sample = multimodal.render_sample(processor, chat, conv, media_settings)
+            ids, labels, blob, status = build_media_sample(sample, settings)
+        except BadRow as e:
+            stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
+            ids, labels, blob, status = [], [], b"", "bad"
+        for key, value in (("input_ids", ids), ("labels", labels), (multimodal.MEDIA_COLUMN, blob), ("_status", status)):
+            out[key].append(value)
+    out["attention_mask"] = [[1] * len(ids) for ids in out["input_ids"]]
     return out
 
 

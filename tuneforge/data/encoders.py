@@ -50,6 +50,7 @@ class Encoder:
     batch_dependent: bool = False  # the output depends on the map's batches: batching joins the cache key
     sequences: tuple[str, ...] = ("",)  # column prefixes of the sequences of one row, in collated order
     samples_completions: bool = False  # rows are prompts; max_completion_length tokens stay free in cutoff_len
+    media: bool = False  # renders images / videos / audio through a processor (function takes processor=, media_settings=)
     show: Show = _show_plain
 
 
@@ -72,7 +73,8 @@ def get_encoder(name: str) -> Encoder:
 
 
 register_encoder(Encoder("pretrain", encode.encode_pretrain, encode.pretrain_features, chat=False, documents=True))
-register_encoder(Encoder("supervised", encode.encode_supervised, encode.supervised_features, needs_response=True))
+register_encoder(Encoder("supervised", encode.encode_supervised, encode.supervised_features, needs_response=True,
+                         media=True))
 register_encoder(Encoder("pairwise", encode_pref.encode_pairwise, encode_pref.pairwise_features,
                          sequences=SEQUENCE_PREFIXES["pairwise"], show=_show_pairwise))
 register_encoder(Encoder("feedback", encode_pref.encode_feedback, encode_pref.feedback_features,

@@ -27,6 +27,7 @@ class Conversation:
     system: str | None = None
     tools: str | None = None  # JSON text, as in the dataset's tools column
     messages: list[dict[str, str]] = field(default_factory=list)  # {role: user|assistant|tool, content}
+    media: dict[str, list[Any]] = field(default_factory=dict)  # image / video / audio -> the row's references
 
     def chat_messages(self) -> list[dict[str, str]]:
         """The messages as `apply_chat_template` takes them (a system message first when there is one)."""

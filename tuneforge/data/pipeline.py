@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.config.rl import resolved_rl
-from tuneforge.data import cache, encode, formats, packing, registry, template
+from tuneforge.data import cache, encode, formats, media, multimodal, packing, registry, template
 from tuneforge.data.encoders import get_encoder
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
@@ -30,14 +30,16 @@ class DataSplits:
     train: Any  # datasets.Dataset | None
     eval: Any  # datasets.Dataset | None
     stats: dict[str, Any] = field(default_factory=dict)
+    processor: Any = None  # the processor a vision- / audio-language model's rows were rendered with
 
 
 class _Plan:
     """Everything one build depends on, resolved from the config and the tokenizer."""
 
-    def __init__(self, cfg: Any, tokenizer: Any) -> None:
+    def __init__(self, cfg: Any, tokenizer: Any, processor: Any = None) -> None:
         d = cfg.data
         self.cfg, self.tokenizer, self.stage = cfg, tokenizer, cfg.method.stage
+        self.processor = processor  # a vision- / audio-language model's processor, None for a text model
         self.train_attrs = registry.get_dataset_attrs(d.dataset, d.dataset_dir)
         self.eval_attrs = registry.get_dataset_attrs(d.eval_dataset, d.dataset_dir)
         if not self.train_attrs and not self.eval_attrs:
@@ -47,10 +49,13 @@ class _Plan:
             )
         spec = stage_of(self.stage)
         for attr in self.train_attrs + self.eval_attrs:
-            registry.check_supported(attr)
             encode.check_stage(attr, spec)
         self.encoder = get_encoder(spec.encoder)
-        self.chat = template.resolve_template(cfg.model.template, tokenizer) if self.encoder.chat else None
+        self._check_media(spec)
+        self.chat = template.resolve_template(cfg.model.template, processor or tokenizer) if self.encoder.chat else None
+        if processor is not None and self.chat is not None and self.chat.source is not None:
+            raise DataError(f"template {cfg.model.template!r} is a text template; a vision- or audio-language model "
+                            f"renders its media with its processor's own chat template: leave template unset")
         self.settings = encode.EncodeSettings(
             stage=self.stage,
             cutoff_len=d.cutoff_len,
@@ -63,7 +68,23 @@ class _Plan:
         self.packing = spec.can_pack and (
             bool(d.neat_packing) or (d.packing if d.packing is not None else spec.packs_by_default)
         )
+        self.media = media.MediaSettings.from_config(cfg)
         self.key = self._key()
+
+    def _check_media(self, spec: Any) -> None:
+        """Media in the data need a model that reads them and an encoder that renders them; before tokenizing."""
+        from tuneforge.model.processor import check_media
+
+        for attr in self.train_attrs + self.eval_attrs:
+            kinds = {kind for kind in media.KINDS if attr.column(media.COLUMN_OF[kind])}
+            check_media(self.processor, kinds, f"dataset '{attr.name}'")
+        if self.processor is None:
+            return
+        if not self.encoder.media:
+            raise DataError(f"stage {self.stage} does not train vision- or audio-language models yet "
+                            f"(its {spec.encoder} encoder renders text only); use stage sft")
+        if self.cfg.data.packing:
+            raise DataError("packing multimodal samples is not supported yet; set packing: false")
 
     def _key(self) -> str:
         d, t = self.cfg.data, self.cfg.train
@@ -88,6 +109,9 @@ class _Plan:
             "skip_bad_rows": d.skip_bad_rows,
             "completion_room": self.settings.completion_room,
         }
+        if self.processor is not None:
+            material["processor"] = cache.processor_fingerprint(self.processor)
+            material["media"] = self.media
         if self.encoder.batch_dependent:  # e.g. kto's KL pairs, drawn within each batch of each worker's shard
             material["kl_batches"] = [d.preprocessing_batch_size, d.preprocessing_num_workers]
         return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -124,6 +148,10 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     }
     if plan.chat is not None:
         fn_kwargs["chat"] = plan.chat
+    features = plan.encoder.features()
+    if plan.processor is not None:
+        fn_kwargs.update(processor=plan.processor, media_settings=plan.media)
+        features[multimodal.MEDIA_COLUMN] = multimodal.media_feature()
     encoded = raw.map(
         plan.encoder.function,
         batched=True,
@@ -132,7 +160,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         num_proc=d.preprocessing_num_workers,
         remove_columns=raw.column_names,
         fn_kwargs=fn_kwargs,
-        features=plan.encoder.features(),
+        features=features,
         new_fingerprint=plan.fingerprint(attr.name, "encode"),
         load_from_cache_file=False,
         desc=f"encoding {attr.name}",
@@ -153,6 +181,8 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         "empty_documents": counts["empty"],
         "samples": len(kept),
     }
+    if plan.processor is not None:
+        entry["dropped_media_cut"] = counts["media_cut"]
     # what the rows held: the RL stages' rewards read some of these columns
     stats.setdefault("dataset_columns", {})[attr.name] = raw.column_names
     if entry["bad_rows"]:
@@ -166,11 +196,17 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
             entry["dropped_by_truncation"],
             d.cutoff_len,
         )
+    if entry.get("dropped_media_cut"):
+        logger.warning(
+            "dataset '%s': dropped %d samples whose media tokens do not fit in cutoff_len=%d (raise cutoff_len or "
+            "lower image_max_pixels)", attr.name, entry["dropped_media_cut"], d.cutoff_len,
+        )
     if len(kept) == 0:
         raise DataError(
             f"dataset '{attr.name}' is empty after encoding: of {len(raw)} rows, {entry['bad_rows']} were "
             f"skipped as bad, {entry['dropped_by_truncation']} lost all supervised tokens to truncation at "
-            f"cutoff_len={d.cutoff_len}, {entry['empty_documents']} had no text; "
+            f"cutoff_len={d.cutoff_len}, {entry.get('dropped_media_cut', 0)} could not fit their media in it, "
+            f"{entry['empty_documents']} had no text; "
             f"fix the rows or raise cutoff_len"
         )
     return kept
@@ -300,14 +336,18 @@ def _load(path: Path, *, cache_hit: bool) -> DataSplits:
     return DataSplits(train=train, eval=evaluation, stats=stats)
 
 
-def build(cfg: Any, tokenizer: Any) -> DataSplits:
-    """Tokenized train / eval splits for cfg (a RunConfig), from the cache when nothing changed."""
+def build(cfg: Any, tokenizer: Any, processor: Any = None) -> DataSplits:
+    """Tokenized train / eval splits for cfg (a RunConfig), from the cache when nothing changed.
+
+    processor: a vision- / audio-language model's processor (model.processor.load_processor), None for text."""
     d = cfg.data
     saved = Path(d.tokenized_path) if d.tokenized_path else None
     if saved is not None and saved.exists() and not d.overwrite_cache and not cache.is_empty_folder(saved):
         logger.info("loading tokenized data from tokenized_path %s", saved)
-        return _load(saved, cache_hit=True)
-    plan = _Plan(cfg, tokenizer)
+        splits = _load(saved, cache_hit=True)
+        splits.processor = processor
+        return splits
+    plan = _Plan(cfg, tokenizer, processor)
     entry = tuneforge_home() / "datasets" / plan.key
     if (entry / cache.STATS_FILE).is_file() and not d.overwrite_cache:
         logger.info("tokenized data: cache hit %s", entry)
@@ -326,6 +366,7 @@ def build(cfg: Any, tokenizer: Any) -> DataSplits:
         kept_stats = {k: v for k, v in splits.stats.items() if k not in ("cache_hit", "cache_dir")}
         cache.save_splits(found, kept_stats, saved, replace=True)
         logger.info("saved tokenized data to %s", saved)
+    splits.processor = processor
     return splits
 
 

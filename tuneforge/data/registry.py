@@ -244,15 +244,6 @@ def file_type(attr: DatasetAttr, files: list[Path]) -> str:
     return types.pop()
 
 
-def check_supported(attr: DatasetAttr) -> None:
-    """Raise for what dataset_info.json can say but tuneforge cannot read yet."""
-    if attr.media_columns:
-        raise DataError(
-            f"dataset '{attr.name}': multimodal columns ({', '.join(attr.media_columns)}) are "
-            f"not supported yet; use a text-only dataset"
-        )
-
-
 def _hub_offline() -> bool:
     return env_flag("HF_HUB_OFFLINE")
 
@@ -261,7 +252,6 @@ def load_raw(attr: DatasetAttr, dataset_dir: str | Path, *, cache_dir: str | Non
     """The raw rows of one dataset as a `datasets.Dataset`."""
     import datasets
 
-    check_supported(attr)
     if attr.load_from == "file":
         files = local_files(attr, dataset_dir)
         builder = file_type(attr, files)

@@ -215,9 +215,14 @@ def render_prompt(
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def render(tokenizer: Any, template: ChatTemplate, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
-    """The text of the whole conversation and the character span of each assistant turn."""
-    messages = conv.chat_messages()
+def render(
+    tokenizer: Any, template: ChatTemplate, conv: Conversation, messages: list[dict[str, Any]] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The text of the whole conversation and the character span of each assistant turn.
+
+    tokenizer: a tokenizer or a processor (anything with apply_chat_template); messages: the conversation's
+    messages as that template takes them (default: text contents, conv.chat_messages())."""
+    messages = messages if messages is not None else conv.chat_messages()
     tools = parse_tools(conv.tools)
     full = _render(tokenizer, template, messages, tools, False)
     spans: list[tuple[int, int]] = []
@@ -227,12 +232,19 @@ def render(tokenizer: Any, template: ChatTemplate, conv: Conversation) -> tuple[
             continue
         before = _render(tokenizer, template, messages[:i], tools, True)
         through = _render(tokenizer, template, messages[: i + 1], tools, False)
-        start, end = _locate(full, before, through, message["content"], cursor, i)
+        start, end = _locate(full, before, through, _text_of(message["content"]), cursor, i)
         while end > start and full[end - 1].isspace():  # whitespace after the end-of-turn marker
             end -= 1
         spans.append((start, end))
         cursor = end
     return full, spans
+
+
+def _text_of(content: str | list[dict[str, Any]]) -> str:
+    """A message's text: the content itself, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
 
 
 def _locate(full: str, before: str, through: str, content: str, cursor: int, index: int) -> tuple[int, int]:

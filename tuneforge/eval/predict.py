@@ -51,7 +51,9 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any) -> tuple[list[Sample],
     samples: list[Sample] = []
     counts = {"bad_rows": 0, "truncated_prompts": 0}
     for attr in registry.get_dataset_attrs(names, d.dataset_dir):
-        registry.check_supported(attr)
+        if attr.media_columns:
+            raise DataError(f"dataset '{attr.name}' holds {', '.join(attr.media_columns)}; predictions with media "
+                            f"are not supported yet")
         if attr.kind != "plain":
             raise DataError(f"dataset '{attr.name}' is a {attr.kind} dataset; predict_with_generate answers "
                             f"the prompts of a plain (sft) dataset")

@@ -12,6 +12,7 @@ from torch import nn
 
 from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model.hub import resolve_adapter
+from tuneforge.model.multimodal import adapted_paths, freeze_media_side, language_model_path
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -31,15 +32,22 @@ def apply_finetuning(model: PreTrainedModel, cfg: RunConfig) -> PreTrainedModel 
     kind = method.finetuning_type
     if kind == "full":
         model.requires_grad_(True)
+        _freeze_media_side(model, method)
         return model
     if kind == "freeze":
         setup_freeze(model, method)
+        _freeze_media_side(model, method)
         return model
     if kind in PEFT_TYPES:
         if cfg.model.adapter_name_or_path:
             return continue_adapters(model, cfg)
         return add_adapter(model, method, pissa_initial=pissa_initial_on_resume(cfg))
     raise ConfigError(f"finetuning_type '{kind}' is not one of full, freeze, lora, oft")
+
+
+def _freeze_media_side(model: nn.Module, method: MethodArgs) -> None:
+    freeze_media_side(model, tower=method.freeze_vision_tower, projector=method.freeze_multi_modal_projector,
+                      language_model=method.freeze_language_model)
 
 
 def upcast_trainable_params(model: nn.Module) -> None:
@@ -59,8 +67,9 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(path, the ModuleList of decoder layers): the first ModuleList as long as num_hidden_layers."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     count = getattr(config, "num_hidden_layers", None)
+    lm = language_model_path(model)  # a multimodal model: the language model's layers, not the vision tower's
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == count:
+        if isinstance(module, nn.ModuleList) and len(module) == count and (lm is None or name.startswith(lm + ".")):
             return name, module
     raise ModelError(f"cannot find the {count} decoder layers of {type(model).__name__}; "
                      f"use finetuning_type full, lora or oft")
@@ -135,12 +144,19 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt")
 
 
-def target_modules(model: nn.Module, requested: list[str], key: str) -> list[str]:
-    """'all' -> every linear layer but the output head; else the names, checked against the model."""
+def target_modules(model: nn.Module, requested: list[str], key: str, method: MethodArgs | None = None) -> list[str]:
+    """'all' -> every linear layer but the output head (of a multimodal model: the language model's, as full paths,
+    plus the tower's / projector's when freeze_vision_tower / freeze_multi_modal_projector are off); else the
+    names, checked against the model."""
     if not requested or "all" in requested:
         names = linear_module_names(model)
         if not names:
             raise ModelError(f"{key}: all found no linear layers in {type(model).__name__}")
+        if language_model_path(model) is not None:
+            head = model.get_output_embeddings()
+            linear = [path for path, module in model.named_modules() if _is_linear(module) and module is not head]
+            return adapted_paths(model, linear, tower=method is None or method.freeze_vision_tower,
+                                 projector=method is None or method.freeze_multi_modal_projector)
         return names
     paths = [path for path, module in model.named_modules()
              if _is_linear(module) or isinstance(module, nn.Embedding)]
@@ -187,13 +203,13 @@ def adapter_config(model: nn.Module, method: MethodArgs):
             raise ConfigError("additional_target names a tied embedding, which peft's OFT cannot keep tied; "
                               "use finetuning_type lora, or drop it from additional_target")
         return OFTConfig(task_type="CAUSAL_LM", r=method.oft_rank, oft_block_size=method.oft_block_size,
-                         target_modules=target_modules(model, method.oft_target, "oft_target"),
+                         target_modules=target_modules(model, method.oft_target, "oft_target", method),
                          modules_to_save=save)
     return LoraConfig(
         task_type="CAUSAL_LM", r=method.lora_rank,
         lora_alpha=method.lora_alpha if method.lora_alpha is not None else 2 * method.lora_rank,
         lora_dropout=method.lora_dropout,
-        target_modules=target_modules(model, method.lora_target, "lora_target"),
+        target_modules=target_modules(model, method.lora_target, "lora_target", method),
         modules_to_save=save, use_dora=method.use_dora, use_rslora=method.use_rslora,
         init_lora_weights=pissa_init_name(method.pissa_iter) if method.pissa_init else True,
         ensure_weight_tying=tied,  # a trained copy of embed_tokens is also the head's
@@ -212,7 +228,8 @@ def add_adapter(model: nn.Module, method: MethodArgs, pissa_initial: Path | None
     pissa = method.finetuning_type == "lora" and method.pissa_init
     if pissa:
         config.init_lora_weights = False  # PiSSA runs below, layer by layer
-    logger.info("%s on %s%s", method.finetuning_type, ", ".join(sorted(config.target_modules)),
+    targets = sorted({path.rsplit(".", 1)[-1] for path in config.target_modules})
+    logger.info("%s on %s%s", method.finetuning_type, ", ".join(targets),
                 f", modules_to_save {config.modules_to_save}" if config.modules_to_save else "")
     try:
         model = get_peft_model(model, config)

@@ -13,6 +13,7 @@ from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, load_adapter, upcast_trainable_params
 from tuneforge.model.hub import resolve, resolve_adapter
+from tuneforge.model.processor import is_multimodal, load_processor
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -44,6 +45,20 @@ def load_tokenizer(model_args: ModelArgs) -> PreTrainedTokenizerBase:
     except OSError as e:
         raise ModelError(f"cannot load a tokenizer from {path}: {e}. The folder needs tokenizer files "
                          f"(tokenizer.json or tokenizer_config.json)") from None
+    return _ready_tokenizer(tokenizer, path)
+
+
+def load_model_processor(model_args: ModelArgs):
+    """The processor of a vision- / audio-language model (its tokenizer prepared as load_tokenizer prepares one),
+    or None for a text-only model."""
+    path = resolve_model_path(model_args)
+    processor = load_processor(path, load_config(path, model_args), trust_remote_code=model_args.trust_remote_code)
+    if processor is not None:
+        processor.tokenizer = _ready_tokenizer(processor.tokenizer, path)
+    return processor
+
+
+def _ready_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(f"the tokenizer in {path} has neither a pad_token nor an eos_token; "
@@ -200,8 +215,9 @@ def load_config(path: Path, model_args: ModelArgs) -> PretrainedConfig:
 
 def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.dtype, quant,
                      device: torch.device) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
+    auto = AutoModelForMultimodalLM if is_multimodal(config) else AutoModelForCausalLM
     attn = attention_implementation(model_args.flash_attn)
     kwargs = dict(config=config, dtype=dtype, trust_remote_code=model_args.trust_remote_code,
                   device_map={"": str(device)})
@@ -209,12 +225,12 @@ def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.
         kwargs["quantization_config"] = quant
     try:
         try:
-            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
+            return auto.from_pretrained(path, attn_implementation=attn, **kwargs)
         except ValueError as e:
             if model_args.flash_attn != "auto" or "sdpa" not in str(e).lower():
                 raise
             logger.warning("%s does not support sdpa attention; using eager", path)
-            return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+            return auto.from_pretrained(path, attn_implementation="eager", **kwargs)
     except ImportError as e:
         raise ModelError(f"cannot load {path} with attention '{attn}': {e}. Set flash_attn: sdpa "
                          f"or install the missing package") from None

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from tuneforge.batch import Batch
 from tuneforge.errors import ModelError
+from tuneforge.trunk import trunk
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_HEAD_FILE = "critic_head.safetensors"
@@ -79,7 +80,7 @@ class ValueHeadModel(torch.nn.Module):
     ) -> torch.Tensor:
         """fp32 values: (S,) at the given sequence_ends, else (batch, seq) at every position."""
         try:
-            decoder = self.model.get_decoder()
+            decoder = trunk(self.model)
         except (AttributeError, NotImplementedError, ValueError) as e:
             raise ModelError(
                 f"{type(self.model).__name__} exposes no decoder (get_decoder: {e}); a value head needs "

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneforge.batch import Batch
+from tuneforge.trunk import trunk
 
 IGNORE_INDEX = -100
 # elements of one fp32 logits chunk: 2**25 floats = 128 MiB, ~680 tokens of a 49k vocabulary
@@ -93,10 +94,11 @@ def can_fuse_head(model: torch.nn.Module) -> bool:
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
         return False
     config = getattr(model, "config", None)
-    if config is None or any(getattr(config, key, None) for key in LOGIT_TRANSFORMS):
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if config is None or any(getattr(c, key, None) for key in LOGIT_TRANSFORMS for c in (config, text_config)):
         return False
     try:
-        decoder = model.get_decoder()
+        decoder = trunk(model)
         return decoder is not None and decoder is not model and model.get_output_embeddings() is not None
     except (AttributeError, NotImplementedError):
         return False
@@ -171,7 +173,7 @@ def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: 
     keep, targets = supervised_targets(batch)
     if fuses_head(model, head):
         projection = model.get_output_embeddings()
-        hidden = model.get_decoder()(**batch.model_inputs, use_cache=False).last_hidden_state[keep]
+        hidden = trunk(model)(**batch.model_inputs, use_cache=False).last_hidden_state[keep]
         vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
         logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab))
         return logps, _values(value_head, hidden) if with_values else None

@@ -1,0 +1,141 @@
+"""The media of a row: where each image (video, audio) is, opened and prepared as LlamaFactory prepares it before
+the model's processor sees it.
+
+A row names its media in its `images` / `videos` / `audios` columns (LlamaFactory's layout): paths relative to
+`media_dir` (default: dataset_dir), absolute paths, http(s) URLs, or images already decoded by `datasets`
+(an Image feature in parquet / arrow: a PIL image, or {"bytes": ..., "path": ...}). The messages mark where each
+one goes with a placeholder (`<image>`, `<video>`, `<audio>`; LlamaFactory's IMAGE_PLACEHOLDER, ... environment
+variables rename them), in order.
+
+A file that is missing or cannot be decoded is a BadRow naming the file: the encoder adds the dataset and row.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tuneforge.data.formats import BadRow
+
+KINDS = ("image", "video", "audio")
+COLUMN_OF = {"image": "images", "video": "videos", "audio": "audios"}
+DEFAULT_PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+
+
+def placeholders() -> dict[str, str]:
+    """kind -> the placeholder text in the messages (LlamaFactory's environment variables may rename them)."""
+    return {kind: os.environ.get(f"{kind.upper()}_PLACEHOLDER", text) for kind, text in DEFAULT_PLACEHOLDERS.items()}
+
+
+@dataclass(frozen=True)
+class MediaSettings:
+    """How media are found and prepared (the model group's image_* / video_* / audio_* keys, data's media_dir)."""
+
+    media_dir: str = "."
+    image_max_pixels: int = 768 * 768
+    image_min_pixels: int = 32 * 32
+    image_do_pan_and_scan: bool = False  # passed to the processor (Gemma 3's crops of large images)
+    crop_to_patches: bool = False  # passed to the processor (InternVL-style tiling)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MediaSettings:
+        m, d = cfg.model, cfg.data
+        return cls(media_dir=d.media_dir or d.dataset_dir, image_max_pixels=m.image_max_pixels,
+                   image_min_pixels=m.image_min_pixels, image_do_pan_and_scan=m.image_do_pan_and_scan,
+                   crop_to_patches=m.crop_to_patches)
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """The image options the user turned on, as the processors name them."""
+        return {key: True for key, on in (("do_pan_and_scan", self.image_do_pan_and_scan),
+                                          ("crop_to_patches", self.crop_to_patches)) if on}
+
+
+def row_media(row: dict[str, Any], columns: dict[str, str | None]) -> dict[str, list[Any]]:
+    """kind -> the row's references of that kind, in order (a single reference counts as a list of one)."""
+    out: dict[str, list[Any]] = {}
+    for kind in KINDS:
+        column = columns.get(COLUMN_OF[kind])
+        value = row.get(column) if column else None
+        if value is None:
+            continue
+        refs = value if isinstance(value, list) else [value]
+        if refs:
+            out[kind] = refs
+    return out
+
+
+def _describe(ref: Any) -> str:
+    if isinstance(ref, dict):
+        return str(ref.get("path") or "an embedded file")
+    return str(ref) if isinstance(ref, (str, os.PathLike)) else f"a {type(ref).__name__}"
+
+
+def _local_path(ref: str, settings: MediaSettings, kind: str) -> Path:
+    path = Path(ref).expanduser()
+    if not path.is_absolute():
+        path = Path(settings.media_dir) / path
+    if not path.is_file():
+        raise BadRow(f"{kind} file {ref} does not exist (looked for {path}; relative paths start at media_dir, "
+                     f"default dataset_dir)")
+    return path
+
+
+def _is_url(ref: Any) -> bool:
+    return isinstance(ref, str) and ref.startswith(("http://", "https://"))
+
+
+def load_image(ref: Any, settings: MediaSettings) -> Any:
+    """One image as an RGB PIL image, scaled into [image_min_pixels, image_max_pixels] (aspect ratio kept)."""
+    from PIL import Image
+
+    try:
+        if isinstance(ref, Image.Image):
+            image = ref
+        elif isinstance(ref, dict) and ref.get("bytes"):
+            image = Image.open(io.BytesIO(ref["bytes"]))
+        elif isinstance(ref, dict) and ref.get("path"):
+            image = Image.open(_local_path(ref["path"], settings, "image"))
+        elif _is_url(ref):
+            from transformers.image_utils import load_image as fetch
+
+            image = fetch(ref)
+        elif isinstance(ref, (str, os.PathLike)):
+            image = Image.open(_local_path(str(ref), settings, "image"))
+        else:
+            raise BadRow(f"an image must be a path, a URL or an image, got {type(ref).__name__}")
+        image.load()
+    except BadRow:
+        raise
+    except Exception as e:  # PIL raises several kinds for a broken or unknown file; the user needs the file named
+        raise BadRow(f"image {_describe(ref)} cannot be read: {e}") from None
+    return _scaled(image.convert("RGB"), settings)
+
+
+def _scaled(image: Any, settings: MediaSettings) -> Any:
+    pixels = image.width * image.height
+    if pixels > settings.image_max_pixels:
+        factor = math.sqrt(settings.image_max_pixels / pixels)
+    elif pixels < settings.image_min_pixels:
+        factor = math.sqrt(settings.image_min_pixels / pixels)
+    else:
+        return image
+    size = (max(1, int(image.width * factor)), max(1, int(image.height * factor)))
+    return image.resize(size)
+
+
+LOADERS = {"image": load_image}
+
+
+def load_media(media: dict[str, list[Any]], settings: MediaSettings) -> dict[str, list[Any]]:
+    """kind -> the decoded media, ready for the processor."""
+    out = {}
+    for kind, refs in media.items():
+        loader = LOADERS.get(kind)
+        if loader is None:
+            raise BadRow(f"{COLUMN_OF[kind]} are not supported yet; use images")
+        out[kind] = [loader(ref, settings) for ref in refs]
+    return out

@@ -1,0 +1,78 @@
+"""The parts of a vision- / audio-language model: the language model, the media encoders (vision / audio tower)
+and the projector between them, found from transformers' own structure rather than per-family lists.
+
+The language model is `model.get_decoder()` (transformers' multimodal models return their text model there);
+everything else that holds weights, except the embeddings and the head, is the media side: a module on it whose
+name says it projects into the language model (projector, merger, connector, aligner) is the projector, the rest
+is the tower. LlamaFactory's keys choose what trains:
+- full / freeze: freeze_vision_tower (default true), freeze_multi_modal_projector (true), freeze_language_model;
+- lora / oft: `all` adapts the language model's linear layers, and the tower's / projector's when the user
+  unfreezes them (freeze_vision_tower / freeze_multi_modal_projector: false).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from torch import nn
+
+from tuneforge.model.processor import is_multimodal
+
+logger = logging.getLogger(__name__)
+
+PROJECTOR_WORDS = re.compile(r"projector|merger|connector|aligner")
+
+
+def language_model_path(model: nn.Module) -> str | None:
+    """The module path of a multimodal model's language model (None for a text model)."""
+    config = getattr(model, "config", None)
+    if config is None or not is_multimodal(config) or not hasattr(model, "get_decoder"):
+        return None
+    decoder = model.get_decoder()
+    return next((path for path, module in model.named_modules() if module is decoder and path), None)
+
+
+def media_parts(model: nn.Module) -> dict[str, list[str]]:
+    """{"tower": [...], "projector": [...]}: the top-most module paths of the media side of a multimodal model."""
+    lm = language_model_path(model)
+    if lm is None:
+        return {"tower": [], "projector": []}
+    keep = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    parts: dict[str, list[str]] = {"tower": [], "projector": []}
+    for path, module in model.named_modules():
+        if not path or id(module) in keep or path == lm or path.startswith(lm + ".") or lm.startswith(path + "."):
+            continue
+        if any(path.startswith(p + ".") for p in parts["tower"] + parts["projector"]):
+            continue
+        if next(module.parameters(), None) is None:
+            continue
+        if PROJECTOR_WORDS.search(path.rsplit(".", 1)[-1]):
+            parts["projector"].append(path)
+        elif not any(PROJECTOR_WORDS.search(sub) for sub, _ in module.named_modules() if sub):
+            parts["tower"].append(path)
+        # else: a tower that holds its projector (Qwen2-VL's visual.merger): its children are visited next
+    return parts
+
+
+def freeze_media_side(model: nn.Module, *, tower: bool, projector: bool, language_model: bool) -> None:
+    """full / freeze: stop the gradients of the parts the freeze_* keys name."""
+    parts = media_parts(model)
+    frozen = (parts["tower"] if tower else []) + (parts["projector"] if projector else [])
+    lm = language_model_path(model)
+    if language_model and lm:
+        frozen.append(lm)
+    modules = dict(model.named_modules())
+    for path in frozen:
+        modules[path].requires_grad_(False)
+    if frozen:
+        logger.info("frozen: %s", ", ".join(frozen))
+
+
+def adapted_paths(model: nn.Module, linear_paths: list[str], *, tower: bool, projector: bool) -> list[str]:
+    """lora / oft `all` on a multimodal model: the linear layers (full paths) of the language model, plus those of
+    the tower / projector when they are not frozen (tower / projector: whether they stay frozen)."""
+    lm = language_model_path(model)
+    parts = media_parts(model)
+    roots = [lm] + ([] if tower else parts["tower"]) + ([] if projector else parts["projector"])
+    return [p for p in linear_paths if any(p.startswith(root + ".") for root in roots)]
