@@ -138,11 +138,12 @@ def cmd_preprocess(args) -> None:
 def cmd_data_preview(args) -> None:
     from tuneforge.config import load
     from tuneforge.data import preview
-    from tuneforge.model import load_tokenizer
+    from tuneforge.model import load_model_processor, load_tokenizer
 
     cfg = load(args.config, args.overrides, for_training=False)
-    tokenizer = load_tokenizer(cfg.model)
-    for i, text in enumerate(preview(cfg, tokenizer, n=args.n)):
+    processor = load_model_processor(cfg.model)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
+    for i, text in enumerate(preview(cfg, tokenizer, n=args.n, processor=processor)):
         print(f"--- sample {i} (supervised spans between ⟦ and ⟧) ---\n{text}\n")
 
 

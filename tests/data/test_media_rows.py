@@ -159,3 +159,21 @@ def test_a_second_build_reads_the_cache_not_the_images(home, make_cfg, processor
     shutil.rmtree(root / "mllm_demo_data")  # the images are gone; the tokenized rows still hold their pixels
     again = built(make_cfg, processor, root)
     assert again.stats["cache_hit"] and again.train[0][MEDIA_COLUMN] == first.train[0][MEDIA_COLUMN]
+
+
+def test_the_preview_shows_where_the_image_goes_and_what_is_learned(home, make_cfg, processor, mm_data):
+    from tuneforge.data import preview
+
+    root, rows = mm_data
+    write(root, rows[1:2])
+    text = preview(make_cfg(root, dataset="mm", image_max_pixels=MAX_PIXELS), processor.tokenizer, n=1,
+                   processor=processor)[0]
+    count = built(make_cfg, processor, root).train[0]["input_ids"].count(processor.image_token_id)
+    assert f"<|vision_start|><|image_pad|>×{count}<|vision_end|>Who is he?" in text
+    assert "⟦He's Thomas Muller from Bayern Munich.<|im_end|>⟧" in text
+
+
+@pytest.mark.parametrize("name", ["mllm_video_demo", "mllm_audio_demo"])
+def test_videos_and_audio_stop_before_tokenizing(home, make_cfg, processor, lf_data_dir, name):
+    with pytest.raises(DataError, match=rf"dataset '{name}' holds (videos|audios?)"):
+        build(make_cfg(lf_data_dir, dataset=name), processor.tokenizer, processor)

@@ -13,9 +13,10 @@ from transformers import AutoConfig
 from tuneforge.batch import Batch, Layout
 from tuneforge.config import from_dict
 from tuneforge.data.encode import IGNORE_INDEX
+from tuneforge.data.media import supported_media
 from tuneforge.model import load_model
 from tuneforge.model.multimodal import language_model_path, media_parts
-from tuneforge.model.processor import load_processor, supported_media
+from tuneforge.model.processor import load_processor
 from tuneforge.train.objectives.lm import LMObjective
 
 

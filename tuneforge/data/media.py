@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.data.formats import BadRow
+from tuneforge.errors import DataError
 
 KINDS = ("image", "video", "audio")
 COLUMN_OF = {"image": "images", "video": "videos", "audio": "audios"}
@@ -139,3 +140,40 @@ def load_media(media: dict[str, list[Any]], settings: MediaSettings) -> dict[str
             raise BadRow(f"{COLUMN_OF[kind]} are not supported yet; use images")
         out[kind] = [loader(ref, settings) for ref in refs]
     return out
+
+
+# ---------------------------------------------------------------- what a processor reads
+
+
+def media_token(processor: Any, kind: str) -> str | None:
+    """The text the processor expands for one image / video / audio (e.g. <|image_pad|>), or None."""
+    return getattr(processor, f"{kind}_token", None)
+
+
+def supported_media(processor: Any) -> set[str]:
+    """The media kinds this processor can turn into tokens."""
+    slots = {"image": ("image_processor",), "video": ("video_processor",),
+             "audio": ("feature_extractor", "audio_processor")}
+    return {kind for kind in KINDS
+            if media_token(processor, kind) and any(getattr(processor, s, None) is not None for s in slots[kind])}
+
+
+def check_media(processor: Any, kinds: set[str], where: str) -> None:
+    """Stop before tokenizing when the data holds media this model cannot read."""
+    if not kinds:
+        return
+    if processor is None:
+        raise DataError(f"{where} holds {', '.join(sorted(kinds))}, but the model is text-only; use a vision- or "
+                        f"audio-language model (e.g. Qwen2-VL) or a text-only dataset")
+    missing = kinds - supported_media(processor)
+    if "video" in missing and media_token(processor, "video") and getattr(processor, "video_processor", None) is None:
+        raise DataError(f"{where} holds videos; {type(processor).__name__}'s video processor needs torchvision, "
+                        f"which this install cannot load (pip install torchvision matching your torch, e.g. the "
+                        f"CPU build from download.pytorch.org/whl/cpu)")
+    if missing:
+        raise DataError(f"{where} holds {', '.join(sorted(missing))}, which {type(processor).__name__} cannot read; "
+                        f"it reads {', '.join(sorted(supported_media(processor))) or 'no media'}")
+    unread = sorted(kinds - set(LOADERS))
+    if unread:
+        raise DataError(f"{where} holds {' and '.join(COLUMN_OF[k] for k in unread)}, which tuneforge does not read "
+                        f"yet (images only); use a dataset of images")

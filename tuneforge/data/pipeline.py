@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,11 +74,9 @@ class _Plan:
 
     def _check_media(self, spec: Any) -> None:
         """Media in the data need a model that reads them and an encoder that renders them; before tokenizing."""
-        from tuneforge.model.processor import check_media
-
         for attr in self.train_attrs + self.eval_attrs:
             kinds = {kind for kind in media.KINDS if attr.column(media.COLUMN_OF[kind])}
-            check_media(self.processor, kinds, f"dataset '{attr.name}'")
+            media.check_media(self.processor, kinds, f"dataset '{attr.name}'")
         if self.processor is None:
             return
         if not self.encoder.media:
@@ -390,6 +389,18 @@ def mark_supervised(tokenizer: Any, input_ids: list[int], labels: list[int]) -> 
     return "".join(out)
 
 
+def collapse_media_runs(text: str, processor: Any) -> str:
+    """A run of one medium's tokens (<|image_pad|> x 64) written once with its count: where the image goes and how
+    many tokens it takes."""
+    if processor is None:
+        return text
+    for kind in media.KINDS:
+        token = media.media_token(processor, kind)
+        if token:
+            text = re.sub(f"(?:{re.escape(token)}){{2,}}", lambda m, t=token: f"{t}×{len(m.group()) // len(t)}", text)
+    return text
+
+
 def _preview_head(plan: _Plan, attr: DatasetAttr, count: int) -> tuple[dict[str, list], list[int]]:
     raw = registry.load_raw(attr, plan.cfg.data.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
     _check_columns(plan, attr, raw.column_names)
@@ -417,23 +428,27 @@ def _preview_texts(plan: _Plan, attr: DatasetAttr, count: int) -> list[str]:
         return [
             mark_supervised(tok, i, lab) for i, lab in zip(rows["input_ids"], rows["labels"], strict=True)
         ]
-    enc = plan.encoder.function(head, indices, tokenizer=tok, chat=plan.chat, attr=attr, settings=plan.settings)
+    media_kwargs = {"processor": plan.processor, "media_settings": plan.media} if plan.processor is not None else {}
+    enc = plan.encoder.function(head, indices, tokenizer=tok, chat=plan.chat, attr=attr, settings=plan.settings,
+                                **media_kwargs)
     kept = [i for i, s in enumerate(enc["_status"]) if s in encode.KEPT][:count]
 
     def marked(prefix: str, i: int) -> str:
         ids = enc[f"{prefix}input_ids"][i]
         labels = enc[f"{prefix}labels"][i] if f"{prefix}labels" in enc else [encode.IGNORE_INDEX] * len(ids)
-        return mark_supervised(tok, ids, labels)  # a prompt row (grpo) has no labels: nothing is marked
+        text = mark_supervised(tok, ids, labels)  # a prompt row (grpo) has no labels: nothing is marked
+        return collapse_media_runs(text, plan.processor)
 
     return [plan.encoder.show(marked, enc, i) for i in kept]
 
 
-def preview(cfg: Any, tokenizer: Any, n: int = 3) -> list[str]:
+def preview(cfg: Any, tokenizer: Any, n: int = 3, processor: Any = None) -> list[str]:
     """The first n training samples (before packing) as text, supervised tokens between ⟦ and ⟧.
 
-    A ranking sample shows its chosen and its rejected rendering; a kto sample its tag and rendering.
+    A ranking sample shows its chosen and its rejected rendering; a kto sample its tag and rendering; an image
+    shows as its run of media tokens with their count (<|image_pad|>×64).
     """
-    plan = _Plan(cfg, tokenizer)
+    plan = _Plan(cfg, tokenizer, processor)
     out: list[str] = []
     for attr in plan.train_attrs + plan.eval_attrs:
         out += _preview_texts(plan, attr, n - len(out))

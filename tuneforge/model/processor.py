@@ -6,7 +6,7 @@ A text-only model has no processor: `load_processor` returns None and everything
 transformers' video processors need torchvision. Where it cannot load (a CPU-only torch wheel beside
 torchvision's PyPI build, whose compiled ops need the CUDA torch), a processor whose family has a video slot is
 built without it: images (through the PIL image processors) and audio work, and a video in the data is refused
-before tokenizing with what to install (`video_support`).
+before tokenizing with what to install (data.media.check_media).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tuneforge.errors import DataError, ModelError
+from tuneforge.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
 VIDEO_SLOT = "video_processor"
 PROCESSOR_CONFIG = "processor_config.json"
-MEDIA_KINDS = ("image", "video", "audio")
 
 
 def is_multimodal(config: Any) -> bool:
@@ -109,32 +108,3 @@ def load_processor(path: Path, config: Any, *, trust_remote_code: bool = False) 
         raise ModelError(f"the processor of {path} has no chat template (chat_template.jinja or "
                          f"chat_template.json); tuneforge renders media with the model's own template")
     return processor
-
-
-def media_token(processor: Any, kind: str) -> str | None:
-    """The text the processor expands for one image / video / audio (e.g. <|image_pad|>), or None."""
-    return getattr(processor, f"{kind}_token", None)
-
-
-def supported_media(processor: Any) -> set[str]:
-    """The media kinds this processor can turn into tokens."""
-    slots = {"image": ("image_processor",), "video": (VIDEO_SLOT,), "audio": ("feature_extractor", "audio_processor")}
-    return {kind for kind in MEDIA_KINDS
-            if media_token(processor, kind) and any(getattr(processor, s, None) is not None for s in slots[kind])}
-
-
-def check_media(processor: Any, kinds: set[str], where: str) -> None:
-    """Stop before tokenizing when the data holds media this model cannot read."""
-    if not kinds:
-        return
-    if processor is None:
-        raise DataError(f"{where} holds {', '.join(sorted(kinds))}, but the model is text-only; use a vision- or "
-                        f"audio-language model (e.g. Qwen2-VL) or a text-only dataset")
-    missing = kinds - supported_media(processor)
-    if "video" in missing and media_token(processor, "video") and getattr(processor, VIDEO_SLOT, None) is None:
-        raise DataError(f"{where} holds videos; {type(processor).__name__}'s video processor needs torchvision, "
-                        f"which this install cannot load (pip install torchvision matching your torch, e.g. the "
-                        f"CPU build from download.pytorch.org/whl/cpu)")
-    if missing:
-        raise DataError(f"{where} holds {', '.join(sorted(missing))}, which {type(processor).__name__} cannot read; "
-                        f"it reads {', '.join(sorted(supported_media(processor))) or 'no media'}")
