@@ -123,6 +123,31 @@ def render_sample(processor: Any, chat: template.ChatTemplate, conv: Conversatio
     return MediaSample(ids, spans, media_spans, tensors)
 
 
+def prompt_inputs(processor: Any, conv: Conversation, settings: media.MediaSettings,
+                  tools: list[dict[str, Any]] | None = None) -> tuple[list[int], dict[str, Any]]:
+    """A conversation up to the assistant's next turn (generation prompt included) with its media: the token ids
+    and the processor's tensors for model.generate (chat, api). BadRow for a broken file or placeholder count."""
+    place_media(conv, media.placeholders())
+    try:
+        text = processor.apply_chat_template(chat_messages(conv), tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # templates raise for conversations they refuse
+        raise BadRow(f"the chat template cannot render this conversation: {e}") from None
+    out = process(processor, text, media.load_media(conv.media, settings), settings)
+    tensors = {k: v for k, v in out.items() if k not in SKIPPED_KEYS and hasattr(v, "shape")}
+    return out["input_ids"][0].tolist(), tensors
+
+
+def repeat_inputs(tensors: dict[str, Any], copies: int, width: int) -> dict[str, Any]:
+    """A prompt's media inputs for `copies` rows of one generate batch: per-token tensors (1, width) repeated as rows,
+    the others joined `copies` times, as the processor batches copies of one sample."""
+    out = {}
+    for key, value in tensors.items():
+        per_token = value.dim() == 2 and tuple(value.shape) == (1, width) and not value.is_floating_point()
+        out[key] = value.repeat(copies, 1) if per_token else _join([value] * copies)
+    return out
+
+
 def media_feature() -> Any:
     """The column type of mm_inputs: safetensors bytes (empty for a row without media)."""
     import datasets

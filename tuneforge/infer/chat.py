@@ -2,18 +2,20 @@
 
 The loop reads lines through `read` and writes text through `write` (the CLI passes input and print),
 so it is library code that never prints. `clear` forgets the history, `exit` (or end of input) ends the
-chat, Ctrl-C during an answer stops that answer and keeps the chat going.
+chat, Ctrl-C during an answer stops that answer and keeps the chat going. With a vision-language model,
+`image PATH` attaches an image to the next question (several lines attach several, in order).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tuneforge.infer.engine import Engine
 from tuneforge.infer.job import Delta
-from tuneforge.infer.request import PromptTooLongError
+from tuneforge.infer.request import PromptTooLongError, RequestError
 
 if TYPE_CHECKING:
     from tuneforge.config import RunConfig
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WELCOME = "Chat with {name}. Type `clear` to forget the conversation, `exit` to leave.\n"
+WELCOME_IMAGES = "Type `image PATH` to show it an image with your next question.\n"
 
 
 def chat_loop(
@@ -30,7 +33,7 @@ def chat_loop(
     read: Callable[[str], str] = input,
     write: Callable[[str], Any],
     engine: Engine | None = None,
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """Chat until `exit` or end of input; returns the conversation as it stood at the end.
 
     system: the system prompt (default: the config's default_system). engine: a loaded one to reuse
@@ -39,8 +42,9 @@ def chat_loop(
     engine = engine or Engine.from_config(cfg)
     system = system if system is not None else cfg.data.default_system
     head = [{"role": "system", "content": system}] if system else []
-    history: list[dict[str, str]] = []
-    write(WELCOME.format(name=engine.name))
+    history: list[dict[str, Any]] = []
+    images: list[str] = []  # attached to the next question
+    write(WELCOME.format(name=engine.name) + (WELCOME_IMAGES if engine.processor is not None else ""))
     try:
         while True:
             try:
@@ -52,12 +56,22 @@ def chat_loop(
             if command == "exit":
                 break
             if command == "clear":
-                history = []
+                history, images = [], []
                 write("History cleared.\n")
+                continue
+            if command.startswith("image ") and engine.processor is not None:
+                path = Path(command[len("image "):].strip()).expanduser()
+                if path.is_file():
+                    images.append(str(path.resolve()))
+                    write(f"Image attached: {path} ({len(images)} for your next question).\n")
+                else:
+                    write(f"No such file: {path}\n")
                 continue
             if not command:
                 continue
-            question = {"role": "user", "content": command}
+            question: dict[str, Any] = {"role": "user", "content": command}
+            if images:
+                question["images"], images = images, []
             answer = _answer(engine, head + history + [question], write)
             if answer is not None:
                 history += [question, {"role": "assistant", "content": answer}]
@@ -67,13 +81,16 @@ def chat_loop(
     return head + history
 
 
-def _answer(engine: Engine, messages: list[dict[str, str]], write: Callable[[str], Any]) -> str | None:
+def _answer(engine: Engine, messages: list[dict[str, Any]], write: Callable[[str], Any]) -> str | None:
     """Stream one answer; None when it did not happen (too long a conversation, or interrupted)."""
     try:
         events = engine.stream(messages)
     except PromptTooLongError as e:
         write(f"The conversation is too long for the model ({e.prompt_tokens} tokens, context {e.context}); "
               f"type `clear` to start over.\n")
+        return None
+    except RequestError as e:  # e.g. an attached image that cannot be read
+        write(f"{e}\n")
         return None
     write("Assistant: ")
     pieces: list[str] = []

@@ -26,6 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tuneforge.data.formats import BadRow, Conversation
+from tuneforge.data.media import MediaSettings
+from tuneforge.data.multimodal import prompt_inputs, repeat_inputs
+from tuneforge.data.template import parse_tools
 from tuneforge.errors import ConfigError, TuneforgeError
 from tuneforge.infer.decode import Output
 from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs, render_prompt
@@ -65,6 +69,13 @@ def served_name(cfg: RunConfig) -> str:
     return (cfg.model.adapter_name_or_path or [cfg.model.model_name_or_path])[-1]
 
 
+def _conversation(messages: list[dict[str, Any]], images: list[Any]) -> Conversation:
+    """Request messages (a system message first or not) as a Conversation with their images."""
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    rest = [{"role": m["role"], "content": m["content"]} for m in messages[1 if system is not None else 0:]]
+    return Conversation(system=system, messages=rest, media={"image": images} if images else {})
+
+
 class Engine:
     """A loaded model serving requests from one worker thread (build it with `Engine.from_config(cfg)`).
 
@@ -75,8 +86,13 @@ class Engine:
 
     def __init__(self, model: Any, tokenizer: Any, template: ChatTemplate, gen: GenerateArgs, *,
                  context: int, default_system: str | None = None, name: str = "model",
-                 stops: Stops | None = None) -> None:
+                 stops: Stops | None = None, processor: Any = None, media: MediaSettings | None = None,
+                 media_root: str | None = None) -> None:
+        """processor: a vision-language model's processor (messages may then carry `images`); media: how their
+        images are prepared (the config's image_* keys)."""
         self.tokenizer, self.template, self.gen = tokenizer, template, gen
+        self.processor, self.media = processor, media or MediaSettings()
+        self.media_root = media_root  # the only folder whose files API clients may name (None: no local files)
         self.scorer = model if isinstance(model, ValueHeadModel) else None  # a reward model
         self.lm = model.model if self.scorer is not None else model
         self.device = next(model.parameters()).device
@@ -92,25 +108,42 @@ class Engine:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Engine:
         """Tokenizer and template first (their errors come before the weights load), then the model."""
-        from tuneforge.model import load_tokenizer
+        from tuneforge.model import load_model_processor, load_tokenizer
         from tuneforge.model.inference import load_inference_model
 
         check_backend(cfg)
-        tokenizer = load_tokenizer(cfg.model)
-        template = chat_template(cfg, tokenizer)
-        stops = end_of_turn(tokenizer, template)
+        processor = load_model_processor(cfg.model)
+        tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
+        template = chat_template(cfg, processor or tokenizer)
+        stops = end_of_turn(tokenizer, template, processor)
         model = load_inference_model(cfg)
         return cls(model, tokenizer, template, cfg.generate, context=context_length(model, cfg.data.cutoff_len),
-                   default_system=cfg.data.default_system, name=served_name(cfg), stops=stops)
+                   default_system=cfg.data.default_system, name=served_name(cfg), stops=stops, processor=processor,
+                   media=MediaSettings.from_config(cfg), media_root=cfg.data.media_dir)
 
     # ---- requests
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation rendered with the chat template, up to the assistant's turn, as token ids."""
+        return self.prompt(messages, tools)[0]
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+               ) -> tuple[list[int], dict[str, Any]]:
+        """(token ids, media inputs) of the conversation up to the assistant's turn. A message may carry `images`
+        (paths, URLs, data URLs or PIL images) for a vision-language model, placed at its <image> placeholders
+        (or before its text when it has none)."""
+        images = [image for m in messages for image in m.get("images") or []]
+        if images and self.processor is None:
+            raise RequestError("this model reads text only; send the messages without images", param="messages")
         try:
             with self._tokenizer_lock:
-                return render_prompt(self.tokenizer, self.template, messages, tools)
+                if self.processor is None:
+                    return render_prompt(self.tokenizer, self.template, messages, tools), {}
+                return prompt_inputs(self.processor, _conversation(messages, images), self.media,
+                                     parse_tools(tools) if isinstance(tools, str) else tools)
         except TuneforgeError:
             raise
+        except BadRow as e:
+            raise RequestError(str(e), param="messages") from None
         except Exception as e:  # the template refused the conversation (raise_exception, a missing key)
             raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
 
@@ -121,21 +154,23 @@ class Engine:
             raise RequestError(f"n {params.n} is more than num_beams {self.gen.num_beams}", param="n")
         return params
 
-    def submit(self, prompt_ids: Sequence[int], params: Sampling, sink: Callable[[Any], None]) -> Job:
-        """Queue a request; its events go to sink (called from the worker thread)."""
+    def submit(self, prompt_ids: Sequence[int], params: Sampling, sink: Callable[[Any], None],
+               media: dict[str, Any] | None = None) -> Job:
+        """Queue a request; its events go to sink (called from the worker thread). media: the prompt's media
+        inputs (Engine.prompt), for a vision-language model."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        job = Job(prompt_ids, params, sink)
+        job = Job(prompt_ids, params, sink, media or {})
         self._queue.put(lambda: self._run(job))
         return job
 
     def stream(self, messages: list[dict[str, Any]], *, tools: list | None = None,
                **options: Any) -> Iterator[Delta | Finish | Done]:
         """Submit a conversation and iterate over its events (closing the iterator cancels it)."""
-        ids = self.prompt_ids(messages, tools)
+        ids, media = self.prompt(messages, tools)
         params = self.sampling(len(ids), **options)
         events: queue.Queue = queue.Queue()
-        job = self.submit(ids, params, events.put)
+        job = self.submit(ids, params, events.put, media)
 
         def iterate() -> Iterator[Delta | Finish | Done]:
             try:
@@ -252,6 +287,10 @@ class Engine:
                           skip_special_tokens=skip) for _ in range(s.n)]
         prompt = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.device)
         beams = gen.num_beams > 1
+        rows = 1 if beams else s.n
+        if job.media:  # pixel values and grid sizes of a vision-language model's prompt, once per row
+            media = repeat_inputs(job.media, rows, prompt.shape[1])
+            kwargs.update({k: v.to(self.device) for k, v in media.items()})
         if beams:
             kwargs["num_return_sequences"] = s.n
             criterion: Any = CancelOnly(job)

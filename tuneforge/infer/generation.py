@@ -37,11 +37,16 @@ def chat_template(cfg: RunConfig, tokenizer: Any) -> ChatTemplate:
     return resolve_template(cfg.model.template, tokenizer)
 
 
-def end_of_turn(tokenizer: Any, template: ChatTemplate) -> Stops:
-    """The tokens (and text) that end an assistant turn under this template, plus eos."""
+def end_of_turn(tokenizer: Any, template: ChatTemplate, processor: Any = None) -> Stops:
+    """The tokens (and text) that end an assistant turn under this template (a vision- / audio-language model's:
+    its processor's), plus eos."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ANSWER}]
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template.source, tokenize=False)
+        if processor is not None:
+            parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+            text = processor.apply_chat_template(parts, tokenize=False)
+        else:
+            text = tokenizer.apply_chat_template(messages, chat_template=template.source, tokenize=False)
     except Exception as e:  # a template may refuse this conversation; eos still stops
         raise DataError(f"the chat template cannot render a one-turn conversation: {e}") from None
     marker = text[text.find(_ANSWER) + len(_ANSWER):].strip() if _ANSWER in text else ""

@@ -65,8 +65,10 @@ class Completion:
 class Job:
     """One submitted request; `cancel()` stops it (before it starts, or within one token)."""
 
-    def __init__(self, prompt_ids: Sequence[int], params: Sampling, sink: Callable[[Any], None]) -> None:
+    def __init__(self, prompt_ids: Sequence[int], params: Sampling, sink: Callable[[Any], None],
+                 media: dict[str, Any] | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
+        self.media = media or {}  # the prompt's media inputs (pixel values, grid sizes) for a vision-language model
         self.sampling = params
         self.cancelled = threading.Event()
         self._sink = sink

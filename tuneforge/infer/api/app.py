@@ -104,8 +104,8 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         check_model(body.model)
         tools = template_tools([t.model_dump() for t in body.tools]) if body.tools else None
         messages = template_messages([m.model_dump() for m in body.messages], syntax,
-                                     default_system=engine.default_system)
-        ids = await run_in_threadpool(engine.prompt_ids, messages, tools)
+                                     default_system=engine.default_system, media_root=engine.media_root)
+        ids, media = await run_in_threadpool(engine.prompt, messages, tools)
         params = engine.sampling(
             len(ids), max_tokens=body.answer_limit, n=body.n, temperature=body.temperature, top_p=body.top_p,
             stop=body.stop, seed=body.seed,
@@ -117,10 +117,10 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = sse(engine, ids, params, cid=cid, created=stamp, model=engine.name, syntax=parse, names=names,
-                         include_usage=include_usage)
+                         include_usage=include_usage, media=media)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices, done = await collect(Pending(engine, ids, params), request, body.n, parse, names)
+        choices, done = await collect(Pending(engine, ids, params, media), request, body.n, parse, names)
         return protocol.completion(cid, stamp, engine.name, choices,
                                    protocol.usage(done.prompt_tokens, done.completion_tokens))
 

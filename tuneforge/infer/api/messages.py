@@ -1,6 +1,8 @@
 """OpenAI chat messages -> the messages and tools a chat template renders.
 
-- `developer` is a system message (OpenAI's newer name); content parts of type text are joined.
+- `developer` is a system message (OpenAI's newer name); content parts of type text are joined, and an
+  `image_url` part becomes an <image> placeholder where it stands, its image in the message's `images`
+  (https URLs, data: URLs, and local files only inside the server's media_dir).
 - An assistant message's `tool_calls` go to the template as structured tool_calls (arguments as an
   object) when the template renders them itself, else as the text the model writes for them
   (tools.ToolSyntax.render), so the conversation reads as the model would have written it.
@@ -10,26 +12,71 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+from pathlib import Path
 from typing import Any
 
+from tuneforge.data.media import placeholders
 from tuneforge.infer.request import RequestError
 from tuneforge.infer.tools import ToolCall, ToolSyntax
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _content(value: Any, where: str) -> str | None:
+def _content(value: Any, where: str, media_root: str | None) -> tuple[str | None, list[Any]]:
+    """(text, images): text parts joined, each image_url part an <image> placeholder where it stands."""
     if value is None or isinstance(value, str):
-        return value
-    texts = []
+        return value, []
+    texts, images = [], []
     for j, part in enumerate(value):
         part = part if isinstance(part, dict) else part.model_dump()
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.content.{j}: only text content parts are supported "
-                               f"(got type {part.get('type')!r})", param=f"{where}.content")
-        texts.append(part["text"])
-    return "".join(texts)
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+            images.append(image_source(url, f"{where}.content.{j}.image_url.url", media_root))
+            texts.append(placeholders()["image"])
+        else:
+            raise RequestError(f"{where}.content.{j}: content parts of type text and image_url are supported "
+                               f"(got type {kind!r})", param=f"{where}.content")
+    return "".join(texts), images
+
+
+def image_source(url: Any, where: str, media_root: str | None) -> Any:
+    """An image_url's url as the image loader takes it: an https URL, the bytes of a data: URL, or a local file
+    (a path or file:// URL) inside media_root; anything else is refused with the reason."""
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"{where} must be a URL", param=where)
+    if url.startswith("https://"):
+        return url
+    if url.startswith("data:"):
+        head, _, payload = url.partition(",")
+        if not head.endswith(";base64") or not payload:
+            raise RequestError(f"{where}: a data URL must be data:<type>;base64,<data>", param=where)
+        try:
+            return {"bytes": base64.b64decode(payload, validate=True)}
+        except (binascii.Error, ValueError):
+            raise RequestError(f"{where}: the data URL is not valid base64", param=where) from None
+    if url.startswith("http://"):
+        raise RequestError(f"{where}: plain http URLs are refused; use https or a data: URL", param=where)
+    if url.startswith("file://"):
+        host, _, path = url[len("file://"):].partition("/")
+        if host not in ("", "localhost"):
+            raise RequestError(f"{where}: file URLs of other hosts are refused", param=where)
+        url = "/" + path
+    if "://" in url:
+        raise RequestError(f"{where}: use an https, data: or file URL", param=where)
+    if media_root is None:
+        raise RequestError(f"{where}: this server reads no local files (start it with media_dir set to the folder "
+                           f"clients may name)", param=where)
+    root = Path(media_root).resolve()
+    path = (root / url).resolve()
+    if not path.is_relative_to(root):
+        raise RequestError(f"{where}: {url} is outside the server's media_dir", param=where)
+    return str(path)
 
 
 def _call(raw: dict[str, Any], where: str) -> ToolCall:
@@ -47,8 +94,9 @@ def _call(raw: dict[str, Any], where: str) -> ToolCall:
 
 
 def template_messages(messages: list[dict[str, Any]], syntax: ToolSyntax, *,
-                      default_system: str | None = None) -> list[dict[str, Any]]:
-    """Messages (dicts in OpenAI's shape) as the chat template takes them; RequestError names the bad one."""
+                      default_system: str | None = None, media_root: str | None = None) -> list[dict[str, Any]]:
+    """Messages (dicts in OpenAI's shape) as the chat template takes them (a user message's images under
+    `images`); RequestError names the bad one. media_root: the folder local image files may come from."""
     out: list[dict[str, Any]] = []
     call_names: dict[str, str] = {}
     for i, m in enumerate(messages):
@@ -56,7 +104,9 @@ def template_messages(messages: list[dict[str, Any]], syntax: ToolSyntax, *,
         if role not in ROLES:
             raise RequestError(f"{where}.role: unknown role {role!r} (known: {', '.join(ROLES)})",
                                param=f"{where}.role")
-        content = _content(m.get("content"), where)
+        content, images = _content(m.get("content"), where, media_root)
+        if images and role != "user":
+            raise RequestError(f"{where}: only user messages carry images", param=f"{where}.content")
         calls = [_call(c, f"{where}.tool_calls.{j}") for j, c in enumerate(m.get("tool_calls") or [])]
         if calls and role != "assistant":
             raise RequestError(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
@@ -82,7 +132,7 @@ def template_messages(messages: list[dict[str, Any]], syntax: ToolSyntax, *,
                 text = syntax.render(calls)
                 out.append({"role": "assistant", "content": f"{content}\n{text}" if content else text})
         else:
-            out.append({"role": role, "content": content})
+            out.append({"role": role, "content": content, **({"images": images} if images else {})})
     if all(m["role"] == "system" for m in out):
         raise RequestError("messages hold no user message", param="messages")
     if default_system and out[0]["role"] != "system":

@@ -27,10 +27,12 @@ logger = logging.getLogger(__name__)
 class Pending:
     """A submitted request whose events arrive on this event loop; iterate until Done (Failed raises)."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: Sampling) -> None:
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: Sampling,
+                 media: dict[str, Any] | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.job = engine.submit(prompt_ids, params, lambda e: loop.call_soon_threadsafe(self.events.put_nowait, e))
+        self.job = engine.submit(prompt_ids, params, lambda e: loop.call_soon_threadsafe(self.events.put_nowait, e),
+                                 media)
 
     async def __aiter__(self) -> AsyncIterator[Delta | Finish | Done]:
         while True:
@@ -111,13 +113,14 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 async def sse(engine: Engine, prompt_ids: list[int], params: Sampling, *, cid: str, created: int, model: str,
-              syntax: ToolSyntax | None, names: frozenset[str], include_usage: bool) -> AsyncIterator[str]:
+              syntax: ToolSyntax | None, names: frozenset[str], include_usage: bool,
+              media: dict[str, Any] | None = None) -> AsyncIterator[str]:
     """chat.completion.chunk events, then `data: [DONE]`. The request is submitted when the response
     starts; when the client goes away the response is cancelled at its next await, and `finally`
     cancels the generation."""
     n = params.n
     texts = [ChoiceText(syntax, names) for _ in range(n)]
-    pending = Pending(engine, prompt_ids, params)
+    pending = Pending(engine, prompt_ids, params, media)
 
     def out(index: int | None = None, delta: dict | None = None, reason: str | None = None, use=None) -> str:
         return _sse(protocol.chunk(cid, created, model, index, delta, reason, use))
