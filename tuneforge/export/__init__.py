@@ -98,20 +98,25 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
     from tuneforge.export.turns import derive_turns
     from tuneforge.infer.generation import chat_template, end_of_turn
     from tuneforge.model.inference import load_inference_model
-    from tuneforge.model.load import load_config, load_tokenizer
+    from tuneforge.model.load import load_config, load_model_processor, load_tokenizer
 
     e = cfg.export
     target, sources, head = _check(cfg)
+    processor = load_model_processor(cfg.model)  # a vision- / audio-language model's, written beside it
     if e.export_format == "gguf":
         from tuneforge.export.gguf import check_gguf_support, check_tokenizer
 
+        if processor is not None:
+            raise ConfigError(f"{cfg.source}: export_format gguf writes text models; a vision-language model's GGUF "
+                              f"is the language model plus a projector file (mmproj): export safetensors and "
+                              f"convert that folder with llama.cpp's convert_hf_to_gguf.py (--mmproj)")
         check_gguf_support(load_config(sources[0], cfg.model), cfg.source)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
     if e.export_format == "gguf":
         check_tokenizer(tokenizer, cfg.source)
-    template = chat_template(cfg, tokenizer)  # a bad template name fails here, before the weights load
-    stops = end_of_turn(tokenizer, template)
-    turns = derive_turns(tokenizer, template.source)
+    template = chat_template(cfg, processor or tokenizer)  # a bad template name fails here, before the weights load
+    stops = end_of_turn(tokenizer, template, processor)
+    turns = derive_turns(tokenizer, template.source) if processor is None else None
     dtype, device = export_dtype(cfg), _device(cfg)
 
     model = load_inference_model(cfg, device=device, dtype=dtype, merge=True, value_head=False)
@@ -121,7 +126,7 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
         if e.export_format == "gguf":
             notes = _write_gguf(cfg, model, tokenizer, template, stops, turns, target, tmp, result)
         else:
-            notes = _write_hf(cfg, model, tokenizer, template, stops, turns, head, tmp, result)
+            notes = _write_hf(cfg, model, tokenizer, template, stops, turns, head, tmp, result, processor)
     result["summary"] = _summary(cfg, sources, result, notes)
     return result
 
@@ -130,7 +135,8 @@ def _stop_texts(tokenizer: Any, stops: Any) -> list[str]:
     return [tokenizer.decode([i]) for i in stops.token_ids] + list(stops.strings)
 
 
-def _write_hf(cfg, model, tokenizer, template, stops, turns, head, folder: Path, result: dict) -> list[str]:
+def _write_hf(cfg, model, tokenizer, template, stops, turns, head, folder: Path, result: dict,
+              processor: Any = None) -> list[str]:
     from tuneforge.export.hf import generation_config, save_tokenizer, save_weights
     from tuneforge.export.modelfile import modelfile
     from tuneforge.model.value_head import VALUE_HEAD_FILE
@@ -139,6 +145,9 @@ def _write_hf(cfg, model, tokenizer, template, stops, turns, head, folder: Path,
     model.generation_config = generation_config(model.config, tokenizer, stops.token_ids, cfg.generate)
     result["weights"] = save_weights(model, folder, max_shard_size=f"{e.export_size}GB",
                                      legacy=e.export_legacy_format)
+    if processor is not None:  # the processor files, its tokenizer and chat template included
+        processor.save_pretrained(folder)
+        return ["no Modelfile: Ollama imports vision-language models from GGUF with a projector file"]
     save_tokenizer(tokenizer, template.source, folder)
     text, notes = modelfile(".", turns, system=cfg.data.default_system, stops=_stop_texts(tokenizer, stops),
                             gen=cfg.generate)
