@@ -89,3 +89,22 @@ def vlm_dir(tmp_path_factory, smol_dir):
     from mm_families import build_family
 
     return build_family("qwen2_vl", tmp_path_factory.mktemp("qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
+def loud_vlm(vlm_dir, tmp_path_factory):
+    """The tiny Qwen2-VL with larger weights, so that its greedy answers are varied text, not one repeated token."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    out = tmp_path_factory.mktemp("loud-vlm")
+    shutil.copytree(vlm_dir, out, dirs_exist_ok=True)
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".layers." in name and p.dim() == 2:
+                p.mul_(20)
+    model.save_pretrained(out)
+    return out

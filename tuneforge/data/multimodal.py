@@ -148,6 +148,26 @@ def repeat_inputs(tensors: dict[str, Any], copies: int, width: int) -> dict[str,
     return out
 
 
+def left_padded_media(samples: list[dict[str, Any]], lengths: list[int], width: int) -> dict[str, Any]:
+    """Prompts' media inputs (prompt_inputs) for one left-padded generate batch: per-token tensors padded on the
+    left with 0 to the batch's width, the others joined in row order."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for key in sorted({k for s in samples for k in s}):
+        values = [s[key] for s in samples if key in s]
+        first, length = values[0], lengths[0]
+        if first.dim() == 2 and first.shape == (1, length) and not first.is_floating_point():
+            padded = torch.zeros(len(samples), width, dtype=first.dtype)
+            for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+                if key in s:
+                    padded[i, width - n:] = s[key][0]
+            out[key] = padded
+        else:
+            out[key] = _join(values)
+    return out
+
+
 def media_feature() -> Any:
     """The column type of mm_inputs: safetensors bytes (empty for a row without media)."""
     import datasets

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,15 @@ PREDICTIONS_FILE, RESULTS_FILE = "generated_predictions.jsonl", "predict_results
 class Sample:
     prompt_ids: list[int]
     label: str
+    media: dict[str, Any] = field(default_factory=dict)  # the processor's tensors for the prompt's images
 
 
-def eval_samples(cfg: Any, tokenizer: Any, template: Any) -> tuple[list[Sample], dict[str, int]]:
-    """(prompt, label) of each usable row, and counts of skipped bad rows and truncated prompts."""
-    from tuneforge.data import formats, registry
+def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
+                 ) -> tuple[list[Sample], dict[str, int]]:
+    """(prompt, label) of each usable row, and counts of skipped bad rows and truncated prompts. With a processor
+    (a vision-language model) a row's images come with its prompt; such a prompt is never cut (that would cut its
+    image)."""
+    from tuneforge.data import formats, media, multimodal, registry
     from tuneforge.data.encode import bad_row_error
     from tuneforge.infer.generation import render_prompt
 
@@ -50,10 +54,10 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any) -> tuple[list[Sample],
                        "to choose the rows)")
     samples: list[Sample] = []
     counts = {"bad_rows": 0, "truncated_prompts": 0}
+    settings = media.MediaSettings.from_config(cfg)
     for attr in registry.get_dataset_attrs(names, d.dataset_dir):
-        if attr.media_columns:
-            raise DataError(f"dataset '{attr.name}' holds {', '.join(attr.media_columns)}; predictions with media "
-                            f"are not supported yet")
+        media.check_media(processor, {k for k in media.KINDS if attr.column(media.COLUMN_OF[k])},
+                          f"dataset '{attr.name}'")
         if attr.kind != "plain":
             raise DataError(f"dataset '{attr.name}' is a {attr.kind} dataset; predict_with_generate answers "
                             f"the prompts of a plain (sft) dataset")
@@ -64,16 +68,22 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any) -> tuple[list[Sample],
         for i, row in enumerate(raw):
             try:
                 conv = formats.to_conversation(row, attr, default_system=d.default_system)
+                label = conv.messages.pop()["content"]
+                if processor is not None:
+                    conv.media = media.row_media(row, attr.columns)
+                    ids, tensors = multimodal.prompt_inputs(processor, conv, settings,
+                                                            tools=template_tools(conv.tools))
+                    samples.append(Sample(ids, label, tensors))
+                    continue
+                ids = render_prompt(tokenizer, template, conv.chat_messages(), tools=conv.tools)
             except formats.BadRow as e:
                 if not d.skip_bad_rows:
                     raise bad_row_error(attr, i, str(e)) from None
                 counts["bad_rows"] += 1
                 continue
-            messages = conv.chat_messages()
-            ids = render_prompt(tokenizer, template, messages[:-1], tools=conv.tools)
             if len(ids) > d.cutoff_len:
                 ids, counts["truncated_prompts"] = ids[-d.cutoff_len :], counts["truncated_prompts"] + 1
-            samples.append(Sample(ids, messages[-1]["content"]))
+            samples.append(Sample(ids, label))
     if counts["truncated_prompts"]:
         logger.warning("predict: %d prompts were longer than cutoff_len %d and keep only their last %d tokens",
                        counts["truncated_prompts"], d.cutoff_len, d.cutoff_len)
@@ -89,10 +99,20 @@ def _cut(ids: list[int], stop_ids: set[int]) -> list[int]:
     return ids
 
 
+def template_tools(tools: str | None) -> list[dict[str, Any]] | None:
+    from tuneforge.data.template import parse_tools
+
+    return parse_tools(tools)
+
+
 @torch.no_grad()
 def generate_batched(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[list[int]], gen_kwargs: dict,
-                     batch_size: int, stops: Any, skip_special_tokens: bool = True) -> list[str]:
-    """The answer to each prompt (in order), batch_size prompts per `generate`, left-padded, longest first."""
+                     batch_size: int, stops: Any, skip_special_tokens: bool = True,
+                     media: Sequence[dict[str, Any]] | None = None) -> list[str]:
+    """The answer to each prompt (in order), batch_size prompts per `generate`, left-padded, longest first.
+    media: each prompt's media inputs (a vision-language model), joined per batch as the processor joins them."""
+    from tuneforge.data.multimodal import left_padded_media
+
     device = next(model.parameters()).device
     pad = gen_kwargs.get("pad_token_id", tokenizer.pad_token_id)
     stop_ids = set(stops.token_ids)
@@ -101,7 +121,9 @@ def generate_batched(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[l
     for rows, ids, mask in left_padded_batches(prompts, batch_size, pad, device):
         done += len(rows)
         width = ids.shape[1]
-        out = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, **gen_kwargs)
+        extra = left_padded_media([media[r] for r in rows], [len(prompts[r]) for r in rows], width) if media else {}
+        extra = {k: v.to(device) for k, v in extra.items()}
+        out = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, **gen_kwargs, **extra)
         for row, generated in zip(rows, out[:, width:].tolist(), strict=True):
             text = tokenizer.decode(_cut(generated, stop_ids), skip_special_tokens=skip_special_tokens)
             for s in stops.strings:
@@ -119,17 +141,18 @@ def predict(cfg: Any, out_dir: Path) -> dict[str, Any]:
 
     from tuneforge.eval import metrics
     from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs
-    from tuneforge.model import load_tokenizer
+    from tuneforge.model import load_model_processor, load_tokenizer
     from tuneforge.model.inference import load_inference_model
 
     metrics.require()
     if cfg.generate.infer_backend != "huggingface":
         logger.warning("predict generates with transformers; infer_backend %s is not used here",
                        cfg.generate.infer_backend)
-    tokenizer = load_tokenizer(cfg.model)
-    template = chat_template(cfg, tokenizer)
-    samples, counts = eval_samples(cfg, tokenizer, template)  # bad rows fail before the weights load
-    stops = end_of_turn(tokenizer, template)
+    processor = load_model_processor(cfg.model)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
+    template = chat_template(cfg, processor or tokenizer)
+    samples, counts = eval_samples(cfg, tokenizer, template, processor)  # bad rows fail before the weights load
+    stops = end_of_turn(tokenizer, template, processor)
     kwargs = generate_kwargs(cfg.generate, tokenizer, stops)
     model = load_inference_model(cfg, value_head=False)
     set_seed(cfg.train.seed)  # sampling (do_sample) is repeatable
@@ -138,7 +161,7 @@ def predict(cfg: Any, out_dir: Path) -> dict[str, Any]:
                 cfg.generate.max_new_tokens, "sampling" if kwargs["do_sample"] else "greedy")
     started = time.perf_counter()
     texts = generate_batched(model, tokenizer, [s.prompt_ids for s in samples], kwargs, batch_size, stops,
-                             cfg.generate.skip_special_tokens)
+                             cfg.generate.skip_special_tokens, [s.media for s in samples] if processor else None)
     runtime = time.perf_counter() - started
     labels = [s.label for s in samples]
     scores = metrics.similarity(texts, labels)
