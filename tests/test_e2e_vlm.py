@@ -4,6 +4,7 @@ the output loads with transformers + peft alone, a resumed run and two DDP proce
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from tuneforge.model.processor import load_processor
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/sft_vlm_lora.yaml"
 SMALL = ["image_max_pixels=12544", "per_device_train_batch_size=4", "gradient_accumulation_steps=1", "max_steps=4",
          "cutoff_len=512"]
@@ -70,3 +72,40 @@ def test_two_ddp_processes_train_what_one_process_trains(tmp_path, vlm_dir):
     train(EXAMPLE, one, vlm_dir, *SMALL)
     train(EXAMPLE, two, vlm_dir, *SMALL[:1], "per_device_train_batch_size=2", *SMALL[2:], processes=2)
     assert_same_weights(one, two)
+
+
+def shape_pairs(root):
+    """Ranking and feedback rows about our shapes pictures: the right answer against a wrong color."""
+    rows = json.loads((ROOT / "data" / "shapes_train.json").read_text())[:8]
+    root.mkdir(parents=True, exist_ok=True)
+    pairs, feedback = [], []
+    for i, r in enumerate(rows):
+        image = str(ROOT / "data" / r["images"][0])
+        answer = r["messages"][1]["content"]
+        wrong = answer.replace("red", "X").replace("blue", "red").replace("X", "blue").replace("green", "blue")
+        pairs.append({"messages": [r["messages"][0]], "images": [image],
+                      "chosen": {"role": "assistant", "content": answer},
+                      "rejected": {"role": "assistant", "content": wrong if wrong != answer else "A square."}})
+        feedback.append({"messages": r["messages"][:2] if i % 2 == 0 else [r["messages"][0], pairs[-1]["rejected"]],
+                         "images": [image], "label": i % 2 == 0})
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    (root / "pairs.json").write_text(json.dumps(pairs))
+    (root / "feedback.json").write_text(json.dumps(feedback))
+    (root / "dataset_info.json").write_text(json.dumps({
+        "pairs": {"file_name": "pairs.json", "formatting": "sharegpt", "ranking": True, "tags": tags,
+                  "columns": {"messages": "messages", "images": "images", "chosen": "chosen", "rejected": "rejected"}},
+        "feedback": {"file_name": "feedback.json", "formatting": "sharegpt", "tags": tags,
+                     "columns": {"messages": "messages", "images": "images", "kto_tag": "label"}}}))
+    return root
+
+
+@pytest.mark.parametrize("stage, dataset, metric", [("dpo", "pairs", "rewards/accuracies"),
+                                                    ("rm", "pairs", "rewards/margins"),
+                                                    ("kto", "feedback", "rewards/chosen")])
+def test_preference_stages_train_on_images(tmp_path, vlm_dir, stage, dataset, metric):
+    data = shape_pairs(tmp_path / "data")
+    out = tmp_path / stage
+    train(EXAMPLE, out, vlm_dir, *SMALL, f"stage={stage}", f"dataset={dataset}", "eval_dataset=null",
+          f"dataset_dir={data}", "per_device_train_batch_size=4", "max_steps=2")
+    logged = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert any(metric in row for row in logged), logged[-1]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from tuneforge.batch import Layout
 from tuneforge.data import build
 from tuneforge.data.collate import Collator
 from tuneforge.data.encode import IGNORE_INDEX
@@ -177,3 +178,58 @@ def test_the_preview_shows_where_the_image_goes_and_what_is_learned(home, make_c
 def test_videos_and_audio_stop_before_tokenizing(home, make_cfg, processor, lf_data_dir, name):
     with pytest.raises(DataError, match=rf"dataset '{name}' holds (videos|audios?)"):
         build(make_cfg(lf_data_dir, dataset=name), processor.tokenizer, processor)
+
+
+def pair_rows(rows: list[dict]) -> list[dict]:
+    """Ranking rows in sharegpt form: the first question (with its image), a chosen and a rejected answer."""
+    return [{"messages": [r["messages"][0]], "images": r["images"][:1],
+             "chosen": {"role": "assistant", "content": r["messages"][1]["content"]},
+             "rejected": {"role": "assistant", "content": "I cannot tell."}} for r in rows]
+
+
+def write_pairs(root: Path, rows: list[dict], kto: bool = False) -> None:
+    columns = {"messages": "messages", "images": "images"}
+    entry = {"file_name": "pairs.json", "formatting": "sharegpt", "columns": columns,
+             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
+    if kto:
+        columns["kto_tag"] = "label"
+    else:
+        entry["ranking"] = True
+        columns.update(chosen="chosen", rejected="rejected")
+    (root / "pairs.json").write_text(json.dumps(rows))
+    (root / "dataset_info.json").write_text(json.dumps({"pairs": entry}))
+
+
+def test_preference_rows_carry_the_prompts_image_in_each_sequence(home, make_cfg, processor, mm_data):
+    root, rows = mm_data
+    pairs = pair_rows(rows[:3])
+    write_pairs(root, pairs)
+    from tuneforge.data.multimodal import unpack_tensors
+
+    splits = build(make_cfg(root, dataset="pairs", stage="dpo", image_max_pixels=MAX_PIXELS), processor.tokenizer,
+                   processor)
+    for i, pair in enumerate(pairs):
+        for side in ("chosen", "rejected"):
+            row = {"messages": pair["messages"] + [pair[side]], "images": pair["images"]}
+            ref = reference(processor, row, root)
+            assert splits.train[i][f"{side}_input_ids"] == ref["input_ids"][0].tolist()
+            tensors = unpack_tensors(splits.train[i][f"{side}_{MEDIA_COLUMN}"])
+            assert torch.equal(tensors["pixel_values"], ref["pixel_values"])
+    batch = Collator(processor.tokenizer.pad_token_id, Layout(rows="pairwise"))([splits.train[0], splits.train[1]])
+    grids = batch.model_inputs["image_grid_thw"]
+    first = [unpack_tensors(splits.train[i][f"{s}_{MEDIA_COLUMN}"])["image_grid_thw"]
+             for s in ("chosen", "rejected") for i in (0, 1)]  # sequences: chosen 0, chosen 1, rejected 0, rejected 1
+    assert torch.equal(grids, torch.cat(first))
+
+
+def test_kto_rows_render_the_image_with_the_answer_and_its_kl_pair(home, make_cfg, processor, mm_data):
+    root, rows = mm_data
+    feedback = [{"messages": r["messages"][:2], "images": r["images"][:1], "label": i % 2 == 0}
+                for i, r in enumerate(rows[:3])]
+    write_pairs(root, feedback, kto=True)
+    splits = build(make_cfg(root, dataset="pairs", stage="kto", image_max_pixels=MAX_PIXELS), processor.tokenizer,
+                   processor)
+    ref = reference(processor, feedback[0], root)
+    assert splits.train[0]["input_ids"] == ref["input_ids"][0].tolist()
+    kl = {"messages": [feedback[0]["messages"][0], feedback[1]["messages"][1]], "images": feedback[0]["images"]}
+    assert splits.train[0]["kl_input_ids"] == reference(processor, kl, root)["input_ids"][0].tolist()

@@ -136,6 +136,7 @@ class Collator:
                 "input_ids": r[f"{p}input_ids"],
                 "labels": r[f"{p}labels"],
                 "attention_mask": r.get(f"{p}attention_mask") or [1] * len(r[f"{p}input_ids"]),
+                MEDIA_COLUMN: r.get(f"{p}{MEDIA_COLUMN}"),
             }
             for p in prefixes
             for r in rows

@@ -30,6 +30,7 @@ from tuneforge.data.encode import (
     stop_unless_skipping,
 )
 from tuneforge.data.formats import BadRow, Conversation
+from tuneforge.data.media import row_media
 from tuneforge.data.registry import DatasetAttr
 
 # the column prefix of each sequence of a row, in the order the collator lays them out
@@ -66,9 +67,16 @@ def shared_prompt_len(seqs: list[Rendered]) -> int:
     return n
 
 
+def group_cut(seqs: list[Rendered], cutoff_len: int) -> tuple[int, int, int]:
+    """(shared prompt length, prompt tokens kept, answer tokens kept) of one row's sequences cut together."""
+    p = shared_prompt_len(seqs)
+    keep_prompt, keep_answer = split_budget(p, max(len(s.ids) - p for s in seqs), cutoff_len)
+    return p, keep_prompt, keep_answer
+
+
 def build_group(seqs: list[Rendered], cutoff_len: int) -> tuple[list[tuple[list[int], list[int]]], str]:
     """The sequences of one row -> [(input_ids, labels)] truncated together to cutoff_len, and the status."""
-    p = shared_prompt_len(seqs)
+    p, keep_prompt, keep_answer = group_cut(seqs, cutoff_len)
     prompt = seqs[0].ids[:p]
     answers = [s.ids[p:] for s in seqs]
     answer_labels = [
@@ -76,7 +84,6 @@ def build_group(seqs: list[Rendered], cutoff_len: int) -> tuple[list[tuple[list[
         for s, a in zip(seqs, answers, strict=True)
     ]
     longest = max(len(a) for a in answers)
-    keep_prompt, keep_answer = split_budget(len(prompt), longest, cutoff_len)
     out = [
         (prompt[:keep_prompt] + a[:keep_answer], [IGNORE_INDEX] * keep_prompt + labels[:keep_answer])
         for a, labels in zip(answers, answer_labels, strict=True)
@@ -101,6 +108,35 @@ def render_answer(
     return text, spans[-1]
 
 
+def build_media_group(samples: list[Any], cutoff_len: int) -> tuple[list[tuple[list[int], list[int]]], list[bytes], str]:
+    """build_group for sequences rendered with their media (multimodal.MediaSample): also each sequence's
+    tensors, per-token ones cut like its ids; a cut that would lose a medium's tokens drops the row."""
+    from tuneforge.data import multimodal
+
+    seqs = [Rendered(m.ids, *m.spans[-1]) for m in samples]
+    group, status = build_group(seqs, cutoff_len)
+    if status == "dropped":
+        return group, [b"" for _ in samples], status
+    p, keep_prompt, keep_answer = group_cut(seqs, cutoff_len)
+    blobs = []
+    for m in samples:
+        positions = list(range(keep_prompt)) + list(range(p, min(p + keep_answer, len(m.ids))))
+        if not multimodal.media_kept(m.media_spans, positions):
+            return [([], []) for _ in samples], [b"" for _ in samples], "media_cut"
+        blobs.append(multimodal.pack_tensors(m.tensors, positions))
+    return group, blobs, status
+
+
+def render_media_answer(processor: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str,
+                        settings: Any) -> Any:
+    """prompt + the assistant's answer rendered with the prompt's media (multimodal.MediaSample)."""
+    from tuneforge.data import multimodal
+
+    conv = Conversation(system=prompt.system, tools=prompt.tools, media=prompt.media,
+                        messages=[dict(m) for m in prompt.messages] + [{"role": "assistant", "content": answer}])
+    return multimodal.render_sample(processor, chat, conv, settings)
+
+
 def tokenize_answers(tokenizer: Any, rendered: list[tuple[str, tuple[int, int]]]) -> list[Rendered]:
     if not rendered:
         return []
@@ -112,13 +148,25 @@ def tokenize_answers(tokenizer: Any, rendered: list[tuple[str, tuple[int, int]]]
     return out
 
 
-def _empty_columns(prefixes: tuple[str, ...], n: int) -> dict[str, list]:
-    return {f"{p}{c}": [[] for _ in range(n)] for p in prefixes for c in ("input_ids", "labels")}
+def _empty_columns(prefixes: tuple[str, ...], n: int, media: bool = False) -> dict[str, list]:
+    out: dict[str, list] = {f"{p}{c}": [[] for _ in range(n)] for p in prefixes for c in ("input_ids", "labels")}
+    if media:
+        from tuneforge.data.multimodal import MEDIA_COLUMN
+
+        out.update({f"{p}{MEDIA_COLUMN}": [b""] * n for p in prefixes})
+    return out
 
 
 def _store(out: dict[str, list], prefixes: tuple[str, ...], i: int, group: list[tuple[list, list]]) -> None:
     for prefix, (ids, labels) in zip(prefixes, group, strict=True):
         out[f"{prefix}input_ids"][i], out[f"{prefix}labels"][i] = ids, labels
+
+
+def _store_media(out: dict[str, list], prefixes: tuple[str, ...], i: int, blobs: list[bytes]) -> None:
+    from tuneforge.data.multimodal import MEDIA_COLUMN
+
+    for prefix, blob in zip(prefixes, blobs, strict=True):
+        out[f"{prefix}{MEDIA_COLUMN}"][i] = blob
 
 
 def _finish(out: dict[str, list], prefixes: tuple[str, ...], status: list[str]) -> dict[str, list]:
@@ -137,20 +185,31 @@ def encode_pairwise(
     attr: DatasetAttr,
     settings: EncodeSettings,
     row_numbers: list[int] | None = None,
+    processor: Any = None,
+    media_settings: Any = None,
 ) -> dict[str, list]:
-    """rm / dpo: prompt + chosen and prompt + rejected, sharing the prompt tokens."""
+    """rm / dpo: prompt + chosen and prompt + rejected, sharing the prompt tokens (and the prompt's images, with
+    a processor)."""
     rendered: list[tuple[int, list[tuple[str, tuple[int, int]]]]] = []
     status = ["bad"] * len(indices)
+    prefixes = SEQUENCE_PREFIXES["pairwise"]
+    out = _empty_columns(prefixes, len(indices), media=processor is not None)
     for i, row in enumerate(batch_rows(batch)):
         try:
             pair = formats.to_pairwise(row, attr, default_system=settings.default_system)
+            if processor is not None:
+                pair.prompt.media = row_media(row, attr.columns)
+                samples = [render_media_answer(processor, chat, pair.prompt, a, media_settings)
+                           for a in (pair.chosen, pair.rejected)]
+                group, blobs, status[i] = build_media_group(samples, settings.cutoff_len)
+                _store(out, prefixes, i, group)
+                _store_media(out, prefixes, i, blobs)
+                continue
             texts = [render_answer(tokenizer, chat, pair.prompt, a) for a in (pair.chosen, pair.rejected)]
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue
         rendered.append((i, texts))
-    prefixes = SEQUENCE_PREFIXES["pairwise"]
-    out = _empty_columns(prefixes, len(indices))
     seqs = tokenize_answers(tokenizer, [t for _, texts in rendered for t in texts])
     for k, (i, _) in enumerate(rendered):
         group, status[i] = build_group(seqs[2 * k : 2 * k + 2], settings.cutoff_len)
@@ -167,8 +226,11 @@ def encode_feedback(
     attr: DatasetAttr,
     settings: EncodeSettings,
     row_numbers: list[int] | None = None,
+    processor: Any = None,
+    media_settings: Any = None,
 ) -> dict[str, list]:
-    """kto: prompt + the judged answer, its tag, and the KL pair: the same prompt + another row's answer.
+    """kto: prompt + the judged answer, its tag, and the KL pair: the same prompt + another row's answer (both
+    with the prompt's images, with a processor).
 
     Within this batch, the k-th good row takes the answer of the (k + 1)-th (the last takes the first's; a
     batch with one good row pairs it with itself). Deterministic, so reference log-probs can be cached.
@@ -182,9 +244,15 @@ def encode_feedback(
     for i, row in enumerate(batch_rows(batch)):
         try:
             fb = formats.to_feedback(row, attr, default_system=settings.default_system)
-            parsed.append((i, fb, render_answer(tokenizer, chat, fb.prompt, fb.completion)))
+            if processor is not None:
+                fb.prompt.media = row_media(row, attr.columns)
+                parsed.append((i, fb, ("", (0, 0))))  # rendered with the KL pair below
+            else:
+                parsed.append((i, fb, render_answer(tokenizer, chat, fb.prompt, fb.completion)))
         except BadRow as e:
             bad(i, e)
+    if processor is not None:
+        return _feedback_media(parsed, processor, chat, settings, media_settings, status, bad)
     pairs: list[tuple[int, formats.FeedbackRow, list[tuple[str, tuple[int, int]]]]] = []
     for k, (i, fb, own) in enumerate(parsed):
         other = parsed[(k + 1) % len(parsed)][1].completion
@@ -199,6 +267,26 @@ def encode_feedback(
     for k, (i, fb, _) in enumerate(pairs):
         group, status[i] = build_group(seqs[2 * k : 2 * k + 2], settings.cutoff_len)
         _store(out, prefixes, i, group)
+        out["kto_tag"][i] = int(fb.desirable)
+    return _finish(out, prefixes, status)
+
+
+def _feedback_media(parsed: list, processor: Any, chat: template.ChatTemplate, settings: EncodeSettings,
+                    media_settings: Any, status: list[str], bad: Any) -> dict[str, list]:
+    prefixes = SEQUENCE_PREFIXES["feedback"]
+    out = _empty_columns(prefixes, len(status), media=True)
+    out["kto_tag"] = [0] * len(status)
+    for k, (i, fb, _) in enumerate(parsed):
+        other = parsed[(k + 1) % len(parsed)][1].completion
+        try:
+            samples = [render_media_answer(processor, chat, fb.prompt, a, media_settings)
+                       for a in (fb.completion, other)]
+        except BadRow as e:
+            bad(i, e)
+            continue
+        group, blobs, status[i] = build_media_group(samples, settings.cutoff_len)
+        _store(out, prefixes, i, group)
+        _store_media(out, prefixes, i, blobs)
         out["kto_tag"][i] = int(fb.desirable)
     return _finish(out, prefixes, status)
 

@@ -76,8 +76,9 @@ register_encoder(Encoder("pretrain", encode.encode_pretrain, encode.pretrain_fea
 register_encoder(Encoder("supervised", encode.encode_supervised, encode.supervised_features, needs_response=True,
                          media=True))
 register_encoder(Encoder("pairwise", encode_pref.encode_pairwise, encode_pref.pairwise_features,
-                         sequences=SEQUENCE_PREFIXES["pairwise"], show=_show_pairwise))
+                         sequences=SEQUENCE_PREFIXES["pairwise"], show=_show_pairwise, media=True))
 register_encoder(Encoder("feedback", encode_pref.encode_feedback, encode_pref.feedback_features,
-                         batch_dependent=True, sequences=SEQUENCE_PREFIXES["feedback"], show=_show_feedback))
+                         batch_dependent=True, sequences=SEQUENCE_PREFIXES["feedback"], show=_show_feedback,
+                         media=True))
 register_encoder(Encoder("prompt", encode_prompt.encode_prompts, encode_prompt.prompt_features,
                          samples_completions=True, show=_show_prompt))

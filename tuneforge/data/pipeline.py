@@ -150,7 +150,8 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     features = plan.encoder.features()
     if plan.processor is not None:
         fn_kwargs.update(processor=plan.processor, media_settings=plan.media)
-        features[multimodal.MEDIA_COLUMN] = multimodal.media_feature()
+        for prefix in plan.encoder.sequences:
+            features[f"{prefix}{multimodal.MEDIA_COLUMN}"] = multimodal.media_feature()
     encoded = raw.map(
         plan.encoder.function,
         batched=True,
