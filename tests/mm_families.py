@@ -8,8 +8,8 @@ the ids the config names), its image processor or feature extractor (preprocesso
 byte for byte what the real hub model ships). Each config starts from the family's Config class defaults, shrunk:
 text hidden 64, 2 layers, 4 heads / 2 kv heads; vision / audio hidden 32, 2 layers; a handful of media tokens.
 
-Processors with a video slot (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM) need torchvision to be built by
-transformers' AutoProcessor; where it cannot load, tuneforge's `load_processor` builds them without the video slot.
+Processors with a video slot (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) need torchvision to be built by transformers'
+AutoProcessor; where it cannot load, tuneforge's `load_processor` builds them without the video slot.
 The folders are therefore written piece by piece rather than by `processor.save_pretrained`.
 
 Chat templates (tests/fixtures/chat_templates/<family>.jinja): the hub is unreachable from here, so each is taken
@@ -36,9 +36,20 @@ from a public GitHub file that embeds the hub model's template verbatim:
 - gemma3 (google/gemma-3-4b-it): ShishirPatil/gorilla
   berkeley-function-call-leaderboard/bfcl_eval/model_handler/local_inference/gemma.py (the Gemma 3
   tokenizer_config.json "chat_template" value, quoted as JSON in GemmaHandler._format_prompt's docstring).
-- idefics3 (HuggingFaceM4/Idefics3-8B-Llama3): TODO
-- smolvlm (HuggingFaceTB/SmolVLM-256M-Instruct): TODO
-- qwen2_audio (Qwen/Qwen2-Audio-7B-Instruct): TODO
+- smolvlm (HuggingFaceTB/SmolVLM-256M-Instruct): xi-ix/smolvlm_256m_ft SmolVLM-256M-Instruct/chat_template.json
+  (a copy of the hub folder, at commit 5f64bb97372a9f9bb28b6e2d2f350229b97c2163; its config.json, processor_config.json
+  and preprocessor_config.json are what _smolvlm mirrors); the same text is HuggingFaceTB/SmolVLM-Instruct's in
+  huggingface/huggingface.js packages/jinja/test/e2e.test.js.
+- qwen2_audio (Qwen/Qwen2-Audio-7B-Instruct): NOT verified against the hub file (no copy of it was found). The text
+  is the chat template transformers shipped for this model when it was added, Qwen2AudioProcessor.default_chat_template
+  in huggingface/transformers src/transformers/models/qwen2_audio/processing_qwen2_audio.py (commit
+  0851a87dd4a49f695c1c0063d2b9d5bd2c844689; later versions also accept content['type'] == 'audio'), which is what
+  renders transformers' hub-checkpoint test (tests/models/qwen2_audio/test_processing_qwen2_audio.py,
+  test_chat_template).
+
+No family of Idefics3-8B-Llama3 (HuggingFaceM4/Idefics3-8B-Llama3): its hub chat template was not found in any stored
+public file, so it is left out rather than guessed; the Idefics3 architecture is covered by SmolVLM-256M-Instruct, an
+Idefics3 checkpoint.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ class _Parts:
     processor_class: str
     config: Any
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    video_processor: dict[str, Any] | None = None  # video_preprocessor_config.json, where the hub model ships one
 
 
 def chat_template(name: str) -> str:
@@ -82,9 +94,11 @@ def _tokenizer(named: dict[str, str] | None = None, extra: tuple[str, ...] = (),
 
     kwargs = {"extra_special_tokens": dict(named)} if named else {}
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_dir(), **kwargs)
-    tokens = [t for t in (*special.values(), *(named or {}).values(), *extra)]
+    tokens = [*special.values(), *(named or {}).values(), *extra]
     tokenizer.add_special_tokens({**special, "extra_special_tokens": list(dict.fromkeys(tokens))},
                                  replace_extra_special_tokens=False)
+    for key in ("is_local", "local_files_only"):  # how it was loaded here, not a property of the tokenizer
+        tokenizer.init_kwargs.pop(key, None)
     return tokenizer
 
 
@@ -162,7 +176,13 @@ def _qwen3_vl() -> _Parts:
     image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 32 * 32, max_pixels=64 * 32 * 32, patch_size=16,
                                                temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
                                                image_std=[0.5, 0.5, 0.5])
-    return _Parts(tokenizer, image_processor, "Qwen3VLProcessor", config)
+    # Qwen3-VL ships its own video processor settings (Qwen3VLVideoProcessor; it needs torchvision to load);
+    # without them transformers would infer Qwen2VLVideoProcessor from the image processor's
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+             "size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}, "patch_size": 16,
+             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+             "fps": 2, "do_sample_frames": True}
+    return _Parts(tokenizer, image_processor, "Qwen3VLProcessor", config, video_processor=video)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,12 +261,16 @@ IDEFICS_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", 
                   *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
 
 
-def _idefics3() -> _Parts:
+def _smolvlm() -> _Parts:
+    """SmolVLM-256M-Instruct as the hub ships it: an Idefics3 checkpoint (model_type idefics3, Idefics3Processor,
+    Idefics3ImageProcessor) with SmolLM2's vocabulary and SmolVLM's tokens and template. (model_type "smolvlm" is
+    SmolVLM2's, whose processor needs its video processor, i.e. torchvision, and num2words even for images.)"""
     from transformers import Idefics3Config, Idefics3ImageProcessorPil
 
-    tokenizer = _tokenizer(extra=IDEFICS_TOKENS, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
-    # Idefics3-8B-Llama3: 364 px tiles, 14 px patches (26 x 26), scale factor 2 -> 169 tokens; 56 px -> 4 here
-    tile, patch, scale = 56, 14, 2
+    tokenizer = _tokenizer(extra=IDEFICS_TOKENS, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                           pad_token="<|im_end|>")
+    # SmolVLM-256M-Instruct: 512 px tiles, 16 px patches (32 x 32), scale factor 4 -> 64 tokens; 64 px, 8 px -> 4
+    tile, patch, scale = 64, 8, 4
     seq_len = (tile // patch) ** 2 // scale**2
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=tile, patch_size=patch)
@@ -256,26 +280,6 @@ def _idefics3() -> _Parts:
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile},
                                                 image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     return _Parts(tokenizer, image_processor, "Idefics3Processor", config, {"image_seq_len": seq_len})
-
-
-def _smolvlm() -> _Parts:
-    from transformers import SmolVLMConfig, SmolVLMImageProcessorPil
-
-    # SmolVLMProcessor reads these as tokenizer attributes (with these defaults)
-    named = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
-             "end_of_utterance_token": "<end_of_utterance>", "global_image_token": "<global-img>"}
-    tokenizer = _tokenizer(named=named, extra=IDEFICS_TOKENS, eos_token="<end_of_utterance>")
-    # SmolVLM-256M-Instruct: 512 px tiles, 16 px patches (32 x 32), scale factor 4 -> 64 tokens; 64 px, 8 px -> 4
-    tile, patch, scale = 64, 8, 4
-    seq_len = (tile // patch) ** 2 // scale**2
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=tile, patch_size=patch)
-    config = SmolVLMConfig(text_config=dict(TEXT, model_type="llama", **_text_ids(tokenizer)), vision_config=vision,
-                           scale_factor=scale, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                           pad_token_id=tokenizer.pad_token_id)
-    image_processor = SmolVLMImageProcessorPil(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile},
-                                               image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    return _Parts(tokenizer, image_processor, "SmolVLMProcessor", config, {"image_seq_len": seq_len})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,7 +307,6 @@ _BUILDERS: dict[str, Callable[[], _Parts]] = {
     "llava": _llava,
     "llava_next": _llava_next,
     "gemma3": _gemma3,
-    "idefics3": _idefics3,
     "smolvlm": _smolvlm,
     "qwen2_audio": _qwen2_audio,
 }
@@ -326,11 +329,18 @@ def build_family(name: str, out_dir: Path) -> Path:
     parts.tokenizer.save_pretrained(out)
     parts.preprocessor.save_pretrained(out)
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    if parts.video_processor is not None:
+        (out / "video_preprocessor_config.json").write_text(
+            json.dumps(parts.video_processor, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     processor_config = {"processor_class": parts.processor_class, **parts.processor_kwargs}
     (out / "processor_config.json").write_text(json.dumps(processor_config, indent=2, sort_keys=True) + "\n",
                                                encoding="utf-8")
 
     torch.manual_seed(0)
     model = AutoModelForMultimodalLM.from_config(parts.config, dtype=torch.float32)
+    with torch.no_grad():  # weights some families start at zero (Gemma 3's projection): random, so media matter
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.any():
+                param.normal_(std=0.02)
     model.save_pretrained(out)
     return out

@@ -109,3 +109,12 @@ def test_preference_stages_train_on_images(tmp_path, vlm_dir, stage, dataset, me
           f"dataset_dir={data}", "per_device_train_batch_size=4", "max_steps=2")
     logged = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
     assert any(metric in row for row in logged), logged[-1]
+
+
+def test_fsdp2_trains_what_one_process_trains(tmp_path, vlm_dir):
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(EXAMPLE, one, vlm_dir, *SMALL)
+    r = train(EXAMPLE, two, vlm_dir, *SMALL[:1], "per_device_train_batch_size=2", *SMALL[2:], "fsdp=full_shard",
+              processes=2)
+    assert "fsdp:" in r.stderr
+    assert_same_weights(one, two)

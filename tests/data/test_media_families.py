@@ -1,0 +1,96 @@
+"""Every vision-language family tuneforge is tested on, through the same code (no per-family rule): rows are
+token-exact with the processor's own apply_chat_template, a batch of rows holds what the processor makes of them,
+and the training loss is the model's own loss and reads the pixels."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from mm_families import FAMILIES, build_family
+from transformers import AutoConfig
+
+from tuneforge.batch import Batch, Layout
+from tuneforge.config import from_dict
+from tuneforge.data import build
+from tuneforge.data.collate import Collator
+from tuneforge.data.encode import IGNORE_INDEX
+from tuneforge.data.media import MediaSettings, load_image
+from tuneforge.data.multimodal import message_parts
+from tuneforge.model import load_model
+from tuneforge.model.processor import load_processor
+from tuneforge.train.objectives.lm import LMObjective
+
+IMAGE_FAMILIES = [name for name in FAMILIES if name != "qwen2_audio"]  # audio: not read yet
+MAX_PIXELS = 112 * 112
+
+
+@pytest.fixture(scope="module", params=IMAGE_FAMILIES)
+def family(request, tmp_path_factory):
+    path = build_family(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, load_processor(path, AutoConfig.from_pretrained(path))
+
+
+@pytest.fixture
+def data(tmp_path, lf_data_dir):
+    root = tmp_path / "data"
+    shutil.copytree(lf_data_dir / "mllm_demo_data", root / "mllm_demo_data")
+    rows = json.loads((lf_data_dir / "mllm_demo.json").read_text())[:3]
+    (root / "mm.json").write_text(json.dumps(rows))
+    (root / "dataset_info.json").write_text(json.dumps({"mm": {
+        "file_name": "mm.json", "formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    return root, rows
+
+
+def reference(processor, row, root):
+    settings = MediaSettings(media_dir=str(root), image_max_pixels=MAX_PIXELS)
+    images = iter([load_image(ref, settings) for ref in row["images"]])
+    messages = [{"role": m["role"], "content": [
+        {"type": "image", "image": next(images)} if p["type"] == "image" else p
+        for p in message_parts(m["content"], {"image": "<image>", "video": "<video>", "audio": "<audio>"})]}
+        for m in row["messages"]]
+    return processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+
+
+def test_rows_batches_and_loss_match_transformers(family, data, home):
+    name, path, processor = family
+    root, rows = data
+    cfg = from_dict({"model_name_or_path": str(path), "dataset": "mm", "dataset_dir": str(root), "cutoff_len": 4096,
+                     "image_max_pixels": MAX_PIXELS}, for_training=False)
+    splits = build(cfg, processor.tokenizer, processor)
+    assert len(splits.train) == len(rows), name
+    refs = [reference(processor, row, root) for row in rows]
+    for i, (row, ref) in enumerate(zip(rows, refs, strict=True)):
+        ours = splits.train[i]
+        assert ours["input_ids"] == ref["input_ids"][0].tolist(), name
+        supervised = processor.tokenizer.decode([t for t, lab in zip(ours["input_ids"], ours["labels"], strict=True)
+                                                 if lab != IGNORE_INDEX])
+        for answer in (m["content"] for m in row["messages"] if m["role"] == "assistant"):
+            assert answer.strip() in supervised, name
+    batch = Collator(processor.tokenizer.pad_token_id)([splits.train[0], splits.train[1]])
+    for key, value in refs[0].items():
+        if key in ("input_ids", "attention_mask"):
+            continue
+        if value.dim() == 2 and value.shape[1] == refs[0]["input_ids"].shape[1]:  # per token
+            assert batch.model_inputs[key][0, : value.shape[1]].tolist() == value[0].tolist(), (name, key)
+        else:
+            assert torch.equal(batch.model_inputs[key][: value.shape[0]][tuple(slice(0, n) for n in value.shape)],
+                               value), (name, key)
+
+    model = load_model(from_dict({"model_name_or_path": str(path), "finetuning_type": "full",
+                                  "disable_gradient_checkpointing": True}, for_training=False)).eval()
+    inputs = {k: v for k, v in batch.model_inputs.items()}
+    labels = batch.targets["labels"]
+    objective = LMObjective()
+    with torch.no_grad():
+        ours = objective(model, batch).loss_sum / objective.count(batch)
+        theirs = model(**inputs, labels=labels).loss
+        pixels = inputs["pixel_values"].clone()
+        pixels[pixels != 0] = 0.5  # a flat grey picture (padding images, all zeros, stay padding)
+        blank = dict(inputs, pixel_values=pixels)
+        without = objective(model, Batch(blank, {"labels": labels}, Layout())).loss_sum / objective.count(batch)
+    assert torch.allclose(ours, theirs, atol=1e-4), name
+    assert not torch.allclose(ours, without, atol=1e-5), name
