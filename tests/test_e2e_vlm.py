@@ -118,3 +118,15 @@ def test_fsdp2_trains_what_one_process_trains(tmp_path, vlm_dir):
               processes=2)
     assert "fsdp:" in r.stderr
     assert_same_weights(one, two)
+
+
+def test_an_audio_language_model_trains_on_llamafactorys_audio_demo(tmp_path, lf_data_dir):
+    from mm_families import build_family
+
+    model_dir = build_family("qwen2_audio", tmp_path / "qwen2-audio")
+    out = tmp_path / "audio"
+    r = train(EXAMPLE, out, model_dir, *SMALL, "dataset=mllm_audio_demo", "eval_dataset=null",
+              f"dataset_dir={lf_data_dir}", "max_steps=2")
+    assert "train_samples=3" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert all(t.startswith("model.language_model.") for t in config["target_modules"])

@@ -94,3 +94,33 @@ def test_rows_batches_and_loss_match_transformers(family, data, home):
         without = objective(model, Batch(blank, {"labels": labels}, Layout())).loss_sum / objective.count(batch)
     assert torch.allclose(ours, theirs, atol=1e-4), name
     assert not torch.allclose(ours, without, atol=1e-5), name
+
+
+def test_audio_rows_match_transformers(home, tmp_path, lf_data_dir):
+    pytest.importorskip("soundfile")
+    from tuneforge.data.media import load_audio
+
+    path = build_family("qwen2_audio", tmp_path / "qwen2-audio")
+    processor = load_processor(path, AutoConfig.from_pretrained(path))
+    rows = json.loads((lf_data_dir / "mllm_audio_demo.json").read_text())
+    cfg = from_dict({"model_name_or_path": str(path), "dataset": "mllm_audio_demo", "dataset_dir": str(lf_data_dir),
+                     "cutoff_len": 4096}, for_training=False)
+    splits = build(cfg, processor.tokenizer, processor)
+    assert len(splits.train) == len(rows)
+    settings = MediaSettings(media_dir=str(lf_data_dir))
+    for i, row in enumerate(rows):
+        clips = iter([load_audio(ref, settings) for ref in row["audios"]])
+        messages = [{"role": m["role"], "content": [
+            {"type": "audio", "audio": next(clips)} if p["type"] == "audio" else p
+            for p in message_parts(m["content"], {"image": "<image>", "video": "<video>", "audio": "<audio>"})]}
+            for m in row["messages"]]
+        ref = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+        assert splits.train[i]["input_ids"] == ref["input_ids"][0].tolist()
+    batch = Collator(processor.tokenizer.pad_token_id)([splits.train[0], splits.train[1]])
+    model = load_model(from_dict({"model_name_or_path": str(path), "finetuning_type": "full",
+                                  "disable_gradient_checkpointing": True}, for_training=False)).eval()
+    objective = LMObjective()
+    with torch.no_grad():
+        ours = objective(model, batch).loss_sum / objective.count(batch)
+        theirs = model(**batch.model_inputs, labels=batch.targets["labels"]).loss
+    assert torch.allclose(ours, theirs, atol=1e-4)

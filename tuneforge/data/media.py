@@ -41,13 +41,14 @@ class MediaSettings:
     image_min_pixels: int = 32 * 32
     image_do_pan_and_scan: bool = False  # passed to the processor (Gemma 3's crops of large images)
     crop_to_patches: bool = False  # passed to the processor (InternVL-style tiling)
+    audio_sampling_rate: int = 16000
 
     @classmethod
     def from_config(cls, cfg: Any) -> MediaSettings:
         m, d = cfg.model, cfg.data
         return cls(media_dir=d.media_dir or d.dataset_dir, image_max_pixels=m.image_max_pixels,
                    image_min_pixels=m.image_min_pixels, image_do_pan_and_scan=m.image_do_pan_and_scan,
-                   crop_to_patches=m.crop_to_patches)
+                   crop_to_patches=m.crop_to_patches, audio_sampling_rate=m.audio_sampling_rate)
 
     def processor_kwargs(self) -> dict[str, Any]:
         """The image options the user turned on, as the processors name them."""
@@ -128,7 +129,47 @@ def _scaled(image: Any, settings: MediaSettings) -> Any:
     return image.resize(size)
 
 
-LOADERS = {"image": load_image}
+def load_audio(ref: Any, settings: MediaSettings) -> Any:
+    """One audio clip as a mono float32 numpy array at audio_sampling_rate (soundfile decodes wav / flac / mp3 /
+    ogg; soxr resamples: `pip install 'tuneforge[audio]'`)."""
+    import numpy as np
+
+    try:
+        import soundfile
+        import soxr
+    except ImportError:
+        raise DataError("reading audio needs soundfile and soxr: pip install 'tuneforge[audio]'") from None
+    try:
+        if isinstance(ref, dict) and ref.get("array") is not None:  # decoded by datasets' Audio feature
+            data, rate = np.asarray(ref["array"], dtype=np.float32), int(ref["sampling_rate"])
+        else:
+            if isinstance(ref, dict) and ref.get("bytes"):
+                source: Any = io.BytesIO(ref["bytes"])
+            elif isinstance(ref, dict) and ref.get("path"):
+                source = _local_path(ref["path"], settings, "audio")
+            elif _is_url(ref):
+                import urllib.request
+
+                with urllib.request.urlopen(ref, timeout=60) as response:  # noqa: S310 (http(s) only, checked)
+                    source = io.BytesIO(response.read())
+            elif isinstance(ref, (str, os.PathLike)):
+                source = _local_path(str(ref), settings, "audio")
+            else:
+                raise BadRow(f"an audio clip must be a path or a URL, got {type(ref).__name__}")
+            data, rate = soundfile.read(source, dtype="float32", always_2d=True)
+            data = data.mean(axis=1)
+    except BadRow:
+        raise
+    except Exception as e:  # soundfile raises LibsndfileError and others for a file it cannot decode
+        raise BadRow(f"audio {_describe(ref)} cannot be read: {e}") from None
+    if data.ndim > 1:
+        data = data.mean(axis=-1)
+    if rate != settings.audio_sampling_rate:
+        data = soxr.resample(data, rate, settings.audio_sampling_rate)
+    return np.ascontiguousarray(data, dtype=np.float32)
+
+
+LOADERS = {"image": load_image, "audio": load_audio}
 
 
 def load_media(media: dict[str, list[Any]], settings: MediaSettings) -> dict[str, list[Any]]:
@@ -137,7 +178,7 @@ def load_media(media: dict[str, list[Any]], settings: MediaSettings) -> dict[str
     for kind, refs in media.items():
         loader = LOADERS.get(kind)
         if loader is None:
-            raise BadRow(f"{COLUMN_OF[kind]} are not supported yet; use images")
+            raise BadRow(f"{COLUMN_OF[kind]} are not supported yet; use images or audio")
         out[kind] = [loader(ref, settings) for ref in refs]
     return out
 
@@ -176,4 +217,4 @@ def check_media(processor: Any, kinds: set[str], where: str) -> None:
     unread = sorted(kinds - set(LOADERS))
     if unread:
         raise DataError(f"{where} holds {' and '.join(COLUMN_OF[k] for k in unread)}, which tuneforge does not read "
-                        f"yet (images only); use a dataset of images")
+                        f"yet (images and audio only)")

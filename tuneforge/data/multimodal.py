@@ -58,9 +58,20 @@ def place_media(conv: Conversation, marks: dict[str, str]) -> None:
 
 
 def chat_messages(conv: Conversation) -> list[dict[str, Any]]:
-    """The messages as a processor's chat template takes them: every content a list of parts."""
+    """The messages as a processor's chat template takes them: every content a list of parts, a medium's part
+    also under its kind's key ({"type": "audio", "audio": ...}), which some templates test for instead of the type.
+    The key holds the row's reference (its path), or a name for an embedded medium: templates only render it."""
     marks = media.placeholders()
-    return [{"role": m["role"], "content": message_parts(m["content"], marks)} for m in conv.chat_messages()]
+    refs = {kind: iter(conv.media.get(kind, [])) for kind in media.KINDS}
+    out = []
+    for m in conv.chat_messages():
+        parts = message_parts(m["content"], marks)
+        for part in parts:
+            if part["type"] in refs:
+                ref = next(refs[part["type"]], None)
+                part[part["type"]] = ref if isinstance(ref, str) else f"{part['type']} input"
+        out.append({"role": m["role"], "content": parts})
+    return out
 
 
 @dataclass
@@ -92,7 +103,7 @@ def process(processor: Any, text: str, loaded: dict[str, list[Any]], settings: m
     if loaded.get("video"):
         kwargs["videos"] = loaded["video"]
     if loaded.get("audio"):
-        kwargs["audio"] = loaded["audio"]
+        kwargs.update(audio=loaded["audio"], sampling_rate=settings.audio_sampling_rate)
     try:
         return processor(text=[text], add_special_tokens=False, return_tensors="pt", return_offsets_mapping=True,
                          return_text_replacement_offsets=True, **kwargs)
