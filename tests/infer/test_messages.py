@@ -44,7 +44,9 @@ def test_default_system_goes_first_only_without_a_system_message():
     [
         ([{"role": "wizard", "content": "x"}], "messages.0.role"),
         ([{"role": "user", "content": None}], "messages.0.content"),
-        ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}], "messages.0.content"),
+        ([{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}}]}], "messages.0.content"),
+        ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "@"}}]}],
+         "messages.0.content.0.input_audio.data"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
          "messages.0.content.0.image_url.url"),
         ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [

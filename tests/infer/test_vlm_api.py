@@ -60,3 +60,23 @@ def test_without_media_dir_no_local_file_is_read(served):
             ask(client, engine, "red.png")
     finally:
         engine.media_root = saved
+
+
+def test_an_audio_model_hears_input_audio_parts(tmp_path, lf_data_dir):
+    pytest.importorskip("soundfile")
+    from mm_families import build_family
+
+    model_dir = build_family("qwen2_audio", tmp_path / "qwen2-audio")
+    clip = lf_data_dir / "mllm_demo_data" / "2.wav"
+    with Engine.from_config(infer_cfg(model_dir, max_new_tokens=4)) as engine, api_server(engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        expected = engine.complete([{"role": "user", "content": "What is it?", "audios": [str(clip)]}])
+        reply = client.chat.completions.create(model=engine.name, max_tokens=4, temperature=0, messages=[
+            {"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip.read_bytes()).decode(),
+                                                        "format": "wav"}},
+                {"type": "text", "text": "What is it?"}]}])
+        assert reply.choices[0].message.content == expected.choices[0].text
+        assert reply.usage.prompt_tokens == expected.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="cannot read images"):
+            ask(client, engine, "data:image/png;base64," + base64.b64encode(b"x").decode())

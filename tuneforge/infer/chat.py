@@ -2,8 +2,8 @@
 
 The loop reads lines through `read` and writes text through `write` (the CLI passes input and print),
 so it is library code that never prints. `clear` forgets the history, `exit` (or end of input) ends the
-chat, Ctrl-C during an answer stops that answer and keeps the chat going. With a vision-language model,
-`image PATH` attaches an image to the next question (several lines attach several, in order).
+chat, Ctrl-C during an answer stops that answer and keeps the chat going. With a vision- or audio-language
+model, `image PATH` / `audio PATH` attaches a file to the next question (several lines attach several, in order).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WELCOME = "Chat with {name}. Type `clear` to forget the conversation, `exit` to leave.\n"
-WELCOME_IMAGES = "Type `image PATH` to show it an image with your next question.\n"
+WELCOME_MEDIA = "Type `image PATH` (or `audio PATH`) to attach a file to your next question.\n"
+ATTACH = {"image": "images", "audio": "audios"}  # chat command -> the message key the engine reads
 
 
 def chat_loop(
@@ -43,8 +44,8 @@ def chat_loop(
     system = system if system is not None else cfg.data.default_system
     head = [{"role": "system", "content": system}] if system else []
     history: list[dict[str, Any]] = []
-    images: list[str] = []  # attached to the next question
-    write(WELCOME.format(name=engine.name) + (WELCOME_IMAGES if engine.processor is not None else ""))
+    attached: dict[str, list[str]] = {}  # images / audios attached to the next question
+    write(WELCOME.format(name=engine.name) + (WELCOME_MEDIA if engine.processor is not None else ""))
     try:
         while True:
             try:
@@ -56,22 +57,22 @@ def chat_loop(
             if command == "exit":
                 break
             if command == "clear":
-                history, images = [], []
+                history, attached = [], {}
                 write("History cleared.\n")
                 continue
-            if command.startswith("image ") and engine.processor is not None:
-                path = Path(command[len("image "):].strip()).expanduser()
+            kind = command.split(" ", 1)[0]
+            if kind in ATTACH and engine.processor is not None:
+                path = Path(command[len(kind) + 1:].strip()).expanduser()
                 if path.is_file():
-                    images.append(str(path.resolve()))
-                    write(f"Image attached: {path} ({len(images)} for your next question).\n")
+                    attached.setdefault(ATTACH[kind], []).append(str(path.resolve()))
+                    write(f"{kind.capitalize()} attached: {path} (with your next question).\n")
                 else:
                     write(f"No such file: {path}\n")
                 continue
             if not command:
                 continue
-            question: dict[str, Any] = {"role": "user", "content": command}
-            if images:
-                question["images"], images = images, []
+            question: dict[str, Any] = {"role": "user", "content": command, **attached}
+            attached = {}
             answer = _answer(engine, head + history + [question], write)
             if answer is not None:
                 history += [question, {"role": "assistant", "content": answer}]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tuneforge.data.formats import BadRow, Conversation
-from tuneforge.data.media import MediaSettings
+from tuneforge.data.media import COLUMN_OF, MediaSettings, supported_media
 from tuneforge.data.multimodal import prompt_inputs, repeat_inputs
 from tuneforge.data.template import parse_tools
 from tuneforge.errors import ConfigError, TuneforgeError
@@ -69,11 +69,11 @@ def served_name(cfg: RunConfig) -> str:
     return (cfg.model.adapter_name_or_path or [cfg.model.model_name_or_path])[-1]
 
 
-def _conversation(messages: list[dict[str, Any]], images: list[Any]) -> Conversation:
-    """Request messages (a system message first or not) as a Conversation with their images."""
+def _conversation(messages: list[dict[str, Any]], media: dict[str, list[Any]]) -> Conversation:
+    """Request messages (a system message first or not) as a Conversation with their media."""
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     rest = [{"role": m["role"], "content": m["content"]} for m in messages[1 if system is not None else 0:]]
-    return Conversation(system=system, messages=rest, media={"image": images} if images else {})
+    return Conversation(system=system, messages=rest, media=media)
 
 
 class Engine:
@@ -88,8 +88,8 @@ class Engine:
                  context: int, default_system: str | None = None, name: str = "model",
                  stops: Stops | None = None, processor: Any = None, media: MediaSettings | None = None,
                  media_root: str | None = None) -> None:
-        """processor: a vision-language model's processor (messages may then carry `images`); media: how their
-        images are prepared (the config's image_* keys)."""
+        """processor: a vision- / audio-language model's processor (messages may then carry `images` / `audios`);
+        media: how they are prepared (the config's image_* / audio_* keys)."""
         self.tokenizer, self.template, self.gen = tokenizer, template, gen
         self.processor, self.media = processor, media or MediaSettings()
         self.media_root = media_root  # the only folder whose files API clients may name (None: no local files)
@@ -129,16 +129,21 @@ class Engine:
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
                ) -> tuple[list[int], dict[str, Any]]:
         """(token ids, media inputs) of the conversation up to the assistant's turn. A message may carry `images`
-        (paths, URLs, data URLs or PIL images) for a vision-language model, placed at its <image> placeholders
-        (or before its text when it has none)."""
-        images = [image for m in messages for image in m.get("images") or []]
-        if images and self.processor is None:
-            raise RequestError("this model reads text only; send the messages without images", param="messages")
+        / `audios` (paths, URLs, {"bytes": ...} or PIL images) for a vision- / audio-language model, placed at its
+        <image> / <audio> placeholders (or before its text when it has none)."""
+        media = {kind: refs for kind in ("image", "audio")
+                 if (refs := [ref for m in messages for ref in m.get(COLUMN_OF[kind]) or []])}
+        if media and self.processor is None:
+            raise RequestError("this model reads text only; send the messages without media", param="messages")
+        unread = set(media) - supported_media(self.processor) if media else set()
+        if unread:
+            raise RequestError(f"this model cannot read {', '.join(COLUMN_OF[k] for k in sorted(unread))}",
+                               param="messages")
         try:
             with self._tokenizer_lock:
                 if self.processor is None:
                     return render_prompt(self.tokenizer, self.template, messages, tools), {}
-                return prompt_inputs(self.processor, _conversation(messages, images), self.media,
+                return prompt_inputs(self.processor, _conversation(messages, media), self.media,
                                      parse_tools(tools) if isinstance(tools, str) else tools)
         except TuneforgeError:
             raise

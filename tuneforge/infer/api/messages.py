@@ -2,7 +2,8 @@
 
 - `developer` is a system message (OpenAI's newer name); content parts of type text are joined, and an
   `image_url` part becomes an <image> placeholder where it stands, its image in the message's `images`
-  (https URLs, data: URLs, and local files only inside the server's media_dir).
+  (https URLs, data: URLs, and local files only inside the server's media_dir); an `input_audio` part (base64
+  data) an <audio> placeholder, its clip in `audios`.
 - An assistant message's `tool_calls` go to the template as structured tool_calls (arguments as an
   object) when the template renders them itself, else as the text the model writes for them
   (tools.ToolSyntax.render), so the conversation reads as the model would have written it.
@@ -25,11 +26,12 @@ from tuneforge.infer.tools import ToolCall, ToolSyntax
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _content(value: Any, where: str, media_root: str | None) -> tuple[str | None, list[Any]]:
-    """(text, images): text parts joined, each image_url part an <image> placeholder where it stands."""
+def _content(value: Any, where: str, media_root: str | None) -> tuple[str | None, dict[str, list[Any]]]:
+    """(text, media): text parts joined, each image_url / input_audio part an <image> / <audio> placeholder where it
+    stands, its source under media["images"] / media["audios"]."""
     if value is None or isinstance(value, str):
-        return value, []
-    texts, images = [], []
+        return value, {}
+    texts, images, audios = [], [], []
     for j, part in enumerate(value):
         part = part if isinstance(part, dict) else part.model_dump()
         kind = part.get("type")
@@ -39,10 +41,25 @@ def _content(value: Any, where: str, media_root: str | None) -> tuple[str | None
             url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
             images.append(image_source(url, f"{where}.content.{j}.image_url.url", media_root))
             texts.append(placeholders()["image"])
+        elif kind == "input_audio":
+            audios.append(audio_source(part.get("input_audio"), f"{where}.content.{j}.input_audio"))
+            texts.append(placeholders()["audio"])
         else:
-            raise RequestError(f"{where}.content.{j}: content parts of type text and image_url are supported "
-                               f"(got type {kind!r})", param=f"{where}.content")
-    return "".join(texts), images
+            raise RequestError(f"{where}.content.{j}: content parts of type text, image_url and input_audio are "
+                               f"supported (got type {kind!r})", param=f"{where}.content")
+    media = {"images": images, "audios": audios}
+    return "".join(texts), {key: refs for key, refs in media.items() if refs}
+
+
+def audio_source(value: Any, where: str) -> dict[str, bytes]:
+    """An input_audio part ({"data": base64, "format": "wav" | "mp3" | ...}) as the audio loader takes it."""
+    data = value.get("data") if isinstance(value, dict) else None
+    if not isinstance(data, str) or not data:
+        raise RequestError(f"{where}.data must hold the audio as base64", param=f"{where}.data")
+    try:
+        return {"bytes": base64.b64decode(data, validate=True)}
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where}.data is not valid base64", param=f"{where}.data") from None
 
 
 def image_source(url: Any, where: str, media_root: str | None) -> Any:
@@ -104,9 +121,9 @@ def template_messages(messages: list[dict[str, Any]], syntax: ToolSyntax, *,
         if role not in ROLES:
             raise RequestError(f"{where}.role: unknown role {role!r} (known: {', '.join(ROLES)})",
                                param=f"{where}.role")
-        content, images = _content(m.get("content"), where, media_root)
-        if images and role != "user":
-            raise RequestError(f"{where}: only user messages carry images", param=f"{where}.content")
+        content, media = _content(m.get("content"), where, media_root)
+        if media and role != "user":
+            raise RequestError(f"{where}: only user messages carry images or audio", param=f"{where}.content")
         calls = [_call(c, f"{where}.tool_calls.{j}") for j, c in enumerate(m.get("tool_calls") or [])]
         if calls and role != "assistant":
             raise RequestError(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
@@ -132,7 +149,7 @@ def template_messages(messages: list[dict[str, Any]], syntax: ToolSyntax, *,
                 text = syntax.render(calls)
                 out.append({"role": "assistant", "content": f"{content}\n{text}" if content else text})
         else:
-            out.append({"role": role, "content": content, **({"images": images} if images else {})})
+            out.append({"role": role, "content": content, **media})
     if all(m["role"] == "system" for m in out):
         raise RequestError("messages hold no user message", param="messages")
     if default_system and out[0]["role"] != "system":
