@@ -130,3 +130,8 @@ def test_an_audio_language_model_trains_on_llamafactorys_audio_demo(tmp_path, lf
     assert "train_samples=3" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
     config = json.loads((out / "adapter_config.json").read_text())
     assert all(t.startswith("model.language_model.") for t in config["target_modules"])
+
+
+def test_ask_before_and_after_training_a_vlm(tmp_path, vlm_dir):
+    r = train(EXAMPLE, tmp_path / "ask", vlm_dir, *SMALL, "max_steps=1", "--ask", "What do you see?")
+    assert r.stderr.count("asked 'What do you see?'") == 2

@@ -171,7 +171,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     check_reward_columns(cfg, splits)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count
     layout = batch_layout(cfg, splits, model)
-    before = ask_model(cfg, model, tokenizer, ask) if ask else None
+    before = ask_model(cfg, model, tokenizer, ask, splits.processor) if ask else None
     if stage.value_head:
         model = ValueHeadModel(model, critic=stage.critic)
     collator = Collator(tokenizer.pad_token_id, layout)
@@ -189,7 +189,8 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
     results = trainer.train()
     if ask:
-        results["answers"] = {"question": ask, "before": before, "after": ask_model(cfg, model, tokenizer, ask)}
+        after = ask_model(cfg, model, tokenizer, ask, splits.processor)
+        results["answers"] = {"question": ask, "before": before, "after": after}
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
 
 
@@ -215,10 +216,11 @@ def rollout_generator(cfg: RunConfig, tokenizer):
     return Rollouts(cfg, tokenizer)
 
 
-def ask_model(cfg: RunConfig, model, tokenizer, question: str) -> str:
+def ask_model(cfg: RunConfig, model, tokenizer, question: str, processor=None) -> str:
     from tuneforge.infer.generation import answer, chat_template
 
-    reply = answer(model, tokenizer, chat_template(cfg, tokenizer), question, system=cfg.data.default_system)
+    reply = answer(model, tokenizer, chat_template(cfg, processor or tokenizer), question,
+                   system=cfg.data.default_system, processor=processor)
     logger.info("asked %r: %r", question, reply)
     return reply
 

@@ -87,18 +87,31 @@ def generate_kwargs(gen: GenerateArgs, tokenizer: Any, stops: Stops) -> dict[str
 
 @torch.no_grad()
 def answer(model: Any, tokenizer: Any, template: ChatTemplate, question: str, *, system: str | None = None,
-           max_new_tokens: int = 96) -> str:
-    """The model's greedy answer to one question (used on a model in training too: its mode is restored)."""
+           max_new_tokens: int = 96, processor: Any = None) -> str:
+    """The model's greedy answer to one question (used on a model in training too: its mode is restored).
+    processor: a vision- / audio-language model's, whose chat template renders the question."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    ids = torch.tensor([render_prompt(tokenizer, template, messages)], device=next(model.parameters()).device)
-    stops = end_of_turn(tokenizer, template)
+    device = next(model.parameters()).device
+    extra: dict[str, Any] = {}
+    if processor is not None:
+        from tuneforge.data.formats import Conversation
+        from tuneforge.data.media import MediaSettings
+        from tuneforge.data.multimodal import prompt_inputs
+
+        prompt, tensors = prompt_inputs(processor, Conversation(system=system, messages=messages[-1:]),
+                                        MediaSettings())
+        extra = {k: v.to(device) for k, v in tensors.items()}
+    else:
+        prompt = render_prompt(tokenizer, template, messages)
+    ids = torch.tensor([prompt], device=device)
+    stops = end_of_turn(tokenizer, template, processor)
     was_training = model.training
     model.eval()
     try:
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
             eos_token_id=list(stops.token_ids), pad_token_id=tokenizer.pad_token_id, use_cache=True,
-            temperature=None, top_p=None, top_k=None,
+            temperature=None, top_p=None, top_k=None, **extra,
         )
     finally:
         model.train(was_training)
