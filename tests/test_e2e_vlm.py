@@ -99,14 +99,17 @@ def shape_pairs(root):
     return root
 
 
-@pytest.mark.parametrize("stage, dataset, metric", [("dpo", "pairs", "rewards/accuracies"),
-                                                    ("rm", "pairs", "rewards/margins"),
-                                                    ("kto", "feedback", "rewards/chosen")])
-def test_preference_stages_train_on_images(tmp_path, vlm_dir, stage, dataset, metric):
+@pytest.mark.parametrize("stage, dataset, metric, extra", [
+    ("dpo", "pairs", "rewards/accuracies", []),
+    ("dpo", "pairs", "rewards/accuracies", ["precompute_ref_log_probs=true"]),
+    ("rm", "pairs", "rewards/margins", []),
+    ("kto", "feedback", "rewards/chosen", []),
+])
+def test_preference_stages_train_on_images(tmp_path, vlm_dir, stage, dataset, metric, extra):
     data = shape_pairs(tmp_path / "data")
     out = tmp_path / stage
     train(EXAMPLE, out, vlm_dir, *SMALL, f"stage={stage}", f"dataset={dataset}", "eval_dataset=null",
-          f"dataset_dir={data}", "per_device_train_batch_size=4", "max_steps=2")
+          f"dataset_dir={data}", "per_device_train_batch_size=4", "max_steps=2", *extra)
     logged = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
     assert any(metric in row for row in logged), logged[-1]
 
