@@ -1,11 +1,16 @@
 """Training throughput on the workloads that ../shared/bench/peer-llamafactory.sh gives LlamaFactory, so
 the two can be set side by side in one sitting.
 
-    python benchmarks/train_throughput.py [--workload W1|W2] [--dataset-dir DIR] [--peer] [key=value ...]
+    python benchmarks/train_throughput.py [--workload W1|W2|W5] [--dataset-dir DIR] [--model-dir DIR] [--peer]
+                                          [key=value ...]
 
 W1: LoRA SFT of the built-in SmolLM2-135M-Instruct on alpaca_en_demo (the peer script's defaults).
 W2: LoRA DPO of the same model on dpo_en_demo (128 pairs, cutoff 512, batch 2, 20 steps, bf16);
     `precompute_ref_log_probs=true` as an override measures the precomputed-reference variant.
+W5: LoRA SFT of a vision-language model on mllm_demo (its 6 rows with images, batch 2, 30 steps): by default
+    the tests' tiny random LLaVA (tests/mm_families.py; LLaVA's processor loads without torchvision, which
+    LlamaFactory's needs too), or --model-dir. The peer renders with its own `llava` template, tuneforge with the
+    processor's chat template, so their token counts can differ slightly: compare tokens/s, not losses.
 
 Runs `tuneforge train` in a child process (so peak RSS is the whole run's) and prints one JSON line:
 effective (non-padding) tokens/s, samples/s (pairs/s for W2), train_runtime, peak RSS, final loss. With
@@ -67,18 +72,39 @@ W2 = {
     "per_device_train_batch_size": 2,
     "max_steps": 20,
 }
-WORKLOADS = {"W1": W1, "W2": W2}
+# W5: multimodal SFT on LlamaFactory's mllm_demo (images), a small vision-language model
+W5 = {
+    **W1,
+    "dataset": "mllm_demo",
+    "cutoff_len": 1024,
+    "max_samples": 6,
+    "per_device_train_batch_size": 2,
+    "max_steps": 30,
+    "logging_steps": 5,
+}
+WORKLOADS = {"W1": W1, "W2": W2, "W5": W5}
 # the peer script's keys for each workload (W1 is its defaults)
 PEER_ARGS = {
     "W1": [],
     "W2": ["stage=dpo", "dataset=dpo_en_demo", "max_samples=128", "batch_size=2", "max_steps=20"],
+    "W5": ["dataset=mllm_demo", "template=llava", "cutoff_len=1024", "max_samples=6", "batch_size=2",
+           "max_steps=30"],
 }
+
+
+def tiny_vlm(family: str = "llava") -> Path:
+    """The tests' tiny random vision-language model of `family`, written to a temporary folder."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from mm_families import build_family
+
+    return build_family(family, Path(tempfile.mkdtemp(prefix=f"tiny-{family}-")))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
     parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
+    parser.add_argument("--model-dir", help="the model folder (default: the workload's; W5: a tiny random LLaVA)")
     parser.add_argument("--peer", action="store_true", help=f"run {PEER_SCRIPT.name} after tuneforge, then compare")
     parser.add_argument("--fp32", action="store_true",
                         help="both systems in fp32 (for CPUs without native bf16, where bf16 is emulated)")
@@ -86,8 +112,10 @@ def main() -> None:
     args = parser.parse_args()
     # ours first: its peak RSS is read from RUSAGE_CHILDREN, which the peer would raise
     precision = ["bf16=false"] if args.fp32 else []
-    ours = run_tuneforge(args.workload, args.dataset_dir, [*precision, *args.overrides])
-    peer = run_peer(args.workload, args.dataset_dir, precision) if args.peer else None
+    model_dir = args.model_dir or (str(tiny_vlm()) if args.workload == "W5" else None)
+    model = [f"model_name_or_path={model_dir}"] if model_dir else []
+    ours = run_tuneforge(args.workload, args.dataset_dir, [*precision, *model, *args.overrides])
+    peer = run_peer(args.workload, args.dataset_dir, precision, model_dir) if args.peer else None
     print(json.dumps(ours))
     if peer is not None:
         print(json.dumps(peer))
@@ -104,11 +132,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def run_peer(workload: str, dataset_dir: str, extra: list[str]) -> dict:
-    """LlamaFactory on the workload, on the built-in model's folder; samples/s from its train_results."""
+def run_peer(workload: str, dataset_dir: str, extra: list[str], model_dir: str | None = None) -> dict:
+    """LlamaFactory on the workload, on model_dir (default: the built-in model's folder); samples/s from its
+    train_results."""
     from tuneforge.model.hub import builtin_model_dir
 
-    cmd = ["bash", str(PEER_SCRIPT), str(builtin_model_dir()), f"dataset_dir={dataset_dir}", *PEER_ARGS[workload], *extra]
+    model = model_dir or str(builtin_model_dir())
+    cmd = ["bash", str(PEER_SCRIPT), model, f"dataset_dir={dataset_dir}", *PEER_ARGS[workload], *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"the peer failed ({done.returncode}):\n{done.stderr[-2000:]}")
