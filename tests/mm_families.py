@@ -128,35 +128,40 @@ def _qwen_vl_tokenizer() -> tuple[Any, dict[str, int]]:
     return tokenizer, ids
 
 
+def _qwen2_text(tokenizer: Any) -> dict[str, Any]:
+    # Qwen2-VL-2B-Instruct: mrope_section [16, 24, 24] of a 64-wide rotary half; here a 8-wide one (Qwen2.5-VL too)
+    return dict(TEXT, **_text_ids(tokenizer),
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]})
+
+
+def _qwen2_image_processor() -> Any:
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
+                                    temporal_patch_size=2, merge_size=2)
+
+
 def _qwen2_vl() -> _Parts:
-    from transformers import Qwen2VLConfig, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLConfig
 
     tokenizer, ids = _qwen_vl_tokenizer()
-    # Qwen2-VL-2B-Instruct: mrope_section [16, 24, 24] of a 64-wide rotary half; here a 8-wide one
-    text = dict(TEXT, **_text_ids(tokenizer),
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]})
     vision = dict(depth=2, embed_dim=32, hidden_size=TEXT["hidden_size"], num_heads=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
-                                               temporal_patch_size=2, merge_size=2)
-    return _Parts(tokenizer, image_processor, "Qwen2VLProcessor", config)
+    config = Qwen2VLConfig(text_config=_qwen2_text(tokenizer), vision_config=vision, tie_word_embeddings=True, **ids)
+    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2VLProcessor", config)
 
 
 def _qwen2_5_vl() -> _Parts:
-    from transformers import Qwen2_5_VLConfig, Qwen2VLImageProcessorPil
+    from transformers import Qwen2_5_VLConfig
 
     tokenizer, ids = _qwen_vl_tokenizer()
-    text = dict(TEXT, **_text_ids(tokenizer),
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]})
     # Qwen2.5-VL-3B-Instruct: windowed attention except in fullatt_block_indexes [7, 15, 23, 31] of 32 blocks
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[1], tokens_per_second=2)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
-                                               temporal_patch_size=2, merge_size=2)
-    return _Parts(tokenizer, image_processor, "Qwen2_5_VLProcessor", config)
+    config = Qwen2_5_VLConfig(text_config=_qwen2_text(tokenizer), vision_config=vision, tie_word_embeddings=True,
+                              **ids)
+    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2_5_VLProcessor", config)
 
 
 def _qwen3_vl() -> _Parts:
