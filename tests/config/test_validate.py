@@ -25,6 +25,8 @@ def cfg(tmp_path, **kw):
         ({"stage": "ppo", "reward_funcs": ["length"], "ppo_buffer_size": 0}, "ppo_buffer_size must be >= 1"),
         ({"stage": "ppo", "reward_funcs": ["length"], "max_new_tokens": 4096}, "max_completion_length 4096 leaves no room"),
         ({"lora_rank": 0}, "lora_rank must be > 0"),
+        ({"image_max_pixels": 100, "image_min_pixels": 200}, "image_min_pixels must be > 0 and at most image_max"),
+        ({"audio_sampling_rate": 0}, "audio_sampling_rate must be > 0"),
         ({"lora_dropout": 1.0}, r"lora_dropout must be in \[0, 1\)"),
         ({"finetuning_type": "full", "quantization_bit": 4}, "quantization_bit 4 needs finetuning_type lora"),
         ({"finetuning_type": "freeze", "quantization_bit": 8}, "needs finetuning_type lora or oft"),

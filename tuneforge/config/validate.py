@@ -82,6 +82,11 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         fail("flash_attn: fa2 needs the flash-attn package; use flash_attn: sdpa or install flash-attn", key="flash_attn")
     if m.adapter_name_or_path and me.finetuning_type not in ("lora", "oft"):
         fail("adapter_name_or_path needs finetuning_type lora or oft", key=("adapter_name_or_path", "finetuning_type"))
+    if not 0 < m.image_min_pixels <= m.image_max_pixels:
+        fail(f"image_min_pixels must be > 0 and at most image_max_pixels (got {m.image_min_pixels} and "
+             f"{m.image_max_pixels})", key=("image_min_pixels", "image_max_pixels"))
+    if m.audio_sampling_rate <= 0:
+        fail(f"audio_sampling_rate must be > 0 (got {m.audio_sampling_rate})", key="audio_sampling_rate")
     _check_preference(cfg, fail)
     check_rl(cfg, fail)
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
