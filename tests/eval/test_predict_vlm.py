@@ -30,3 +30,14 @@ def test_predictions_with_images_batched_equal_one_at_a_time(loud_vlm, home, tmp
     assert all(x["prompt"].count("<|vision_start|>") == 1 and "<|image_pad|>" in x["prompt"] for x in batched)
     assert [x["predict"] for x in batched] == [x["predict"] for x in single] and all(x["predict"] for x in batched)
     assert result["predict_samples"] == 4
+
+
+def test_eval_loss_of_a_vlm_on_its_image_rows(vlm_dir, home, tmp_path):
+    def loss(model_dir):
+        cfg = from_dict({"model_name_or_path": str(model_dir), "stage": "sft", "eval_dataset": "shapes_test",
+                         "dataset_dir": str(DATA), "image_max_pixels": 112 * 112, "save_dir": str(tmp_path / "ev")},
+                        for_training=False)
+        return evaluate(cfg)
+
+    result = loss(vlm_dir)
+    assert result["kind"] == "loss" and result["eval_loss"] > 0 and result["eval_samples"] == 8
