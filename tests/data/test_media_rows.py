@@ -233,3 +233,12 @@ def test_kto_rows_render_the_image_with_the_answer_and_its_kl_pair(home, make_cf
     assert splits.train[0]["input_ids"] == ref["input_ids"][0].tolist()
     kl = {"messages": [feedback[0]["messages"][0], feedback[1]["messages"][1]], "images": feedback[0]["images"]}
     assert splits.train[0]["kl_input_ids"] == reference(processor, kl, root)["input_ids"][0].tolist()
+
+
+def test_llamafactorys_template_name_for_the_family_uses_the_processors_own(home, make_cfg, processor, mm_data):
+    root, rows = mm_data
+    write(root, rows[:1])
+    named = built(make_cfg, processor, root, template="qwen2_vl").train[0]["input_ids"]
+    assert named == reference(processor, rows[0], root)["input_ids"][0].tolist()
+    with pytest.raises(DataError, match="is a text template"):
+        built(make_cfg, processor, root, template="alpaca", overwrite_cache=True)
