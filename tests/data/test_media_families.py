@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from mm_families import FAMILIES, build_family
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForMultimodalLM
 
 from tuneforge.batch import Batch, Layout
 from tuneforge.config import from_dict
@@ -85,9 +85,11 @@ def test_rows_batches_and_loss_match_transformers(family, data, home):
     inputs = {k: v for k, v in batch.model_inputs.items()}
     labels = batch.targets["labels"]
     objective = LMObjective()
+    # transformers alone, with its own sdpa (tuneforge's model may run its padding-free attention)
+    plain = AutoModelForMultimodalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
         ours = objective(model, batch).loss_sum / objective.count(batch)
-        theirs = model(**inputs, labels=labels).loss
+        theirs = plain(**inputs, labels=labels).loss
         pixels = inputs["pixel_values"].clone()
         pixels[pixels != 0] = 0.5  # a flat grey picture (padding images, all zeros, stay padding)
         blank = dict(inputs, pixel_values=pixels)
