@@ -138,3 +138,14 @@ def test_an_audio_language_model_trains_on_llamafactorys_audio_demo(tmp_path, lf
 def test_ask_before_and_after_training_a_vlm(tmp_path, vlm_dir):
     r = train(EXAMPLE, tmp_path / "ask", vlm_dir, *SMALL, "max_steps=1", "--ask", "What do you see?")
     assert r.stderr.count("asked 'What do you see?'") == 2
+
+
+def test_llava_trains_on_padding_free_batches_and_two_processes_agree(tmp_path):
+    from mm_families import build_family
+
+    model_dir = build_family("llava", tmp_path / "llava")
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = train(EXAMPLE, one, model_dir, *SMALL)
+    assert "batches are padded" not in r.stderr and "needs padded batches" not in r.stderr
+    train(EXAMPLE, two, model_dir, *SMALL[:1], "per_device_train_batch_size=2", *SMALL[2:], processes=2)
+    assert_same_weights(one, two)

@@ -230,18 +230,22 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
     the data build, flat (padding-free) and a shared prompt from what the loaded model runs (the model
     loader's attention module answers; without a model, batches are padded)."""
     from tuneforge.model.attention import batch_layouts
+    from tuneforge.model.multimodal import packs_media
 
     rows = stage_of(cfg.method.stage).rows
     packed = bool(splits.stats.get("packing", False))
     flat = shared = False
-    if getattr(splits, "processor", None) is not None:
-        if cfg.data.padding_free:
-            logger.info("padding_free: multimodal batches are padded (padding-free media batches are not built yet)")
-    elif model is not None and cfg.data.padding_free:
+    media = getattr(splits, "processor", None) is not None
+    if model is not None and cfg.data.padding_free:
         flat, shared = batch_layouts(model)
         if not flat:
             logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
                         type(model).__name__)
+        elif media and not packs_media(model):
+            flat = False
+            logger.info("padding_free: %s needs padded batches with its media (3-D positions, or two-way attention "
+                        "within an image)", type(model).__name__)
+        shared = shared and not media  # a shared prompt would need its media once: not built
     return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in SHARED_PROMPT_ROWS)
 
 

@@ -126,3 +126,31 @@ def test_audio_rows_match_transformers(home, tmp_path, lf_data_dir):
         ours = objective(model, batch).loss_sum / objective.count(batch)
         theirs = model(**batch.model_inputs, labels=batch.targets["labels"]).loss
     assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+FLAT_FAMILIES = ("llava", "llava_next", "smolvlm")  # 1-D positions, causal attention over the image tokens
+
+
+def test_padding_free_media_batches_give_the_padded_losses_or_stay_padded(family, data, home):
+    from tuneforge.workflow import batch_layout
+
+    name, path, processor = family
+    root, rows = data
+    cfg = from_dict({"model_name_or_path": str(path), "dataset": "mm", "dataset_dir": str(root), "cutoff_len": 4096,
+                     "image_max_pixels": MAX_PIXELS, "finetuning_type": "full",
+                     "disable_gradient_checkpointing": True}, for_training=False)
+    splits = build(cfg, processor.tokenizer, processor)
+    model = load_model(cfg).eval()
+    layout = batch_layout(cfg, splits, model)
+    assert layout.flat == (name in FLAT_FAMILIES), name  # the others: 3-D rope, or two-way attention in an image
+    if not layout.flat:
+        return
+    rows_ = [splits.train[i] for i in range(len(splits.train))]
+    flat = Collator(processor.tokenizer.pad_token_id, layout)(rows_)
+    padded = Collator(processor.tokenizer.pad_token_id, Layout())(rows_)
+    objective = LMObjective()
+    with torch.no_grad():
+        ours = objective(model, flat).loss_sum
+        reference = objective(model, padded).loss_sum
+    assert objective.count(flat) == objective.count(padded)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

@@ -93,9 +93,10 @@ class Collator:
     def _plain(self, rows: list[dict[str, Any]]) -> Columns:
         media = [r.get(MEDIA_COLUMN) for r in rows]
         if self.layout.flat:
-            if any(media):
-                raise ValueError("multimodal rows are collated padded (the workflow's layout says so)")
-            return flatten(rows, self.layout.packed)
+            model_inputs, targets = flatten(rows, self.layout.packed)
+            if any(media):  # the samples' media in row order (the model allows a flat layout: batch_layout)
+                model_inputs.update(collate_media(media, None))
+            return model_inputs, targets
         width = self._width(rows)
         packed = self.layout.packed
         input_ids, labels, masks, positions = [], [], [], []

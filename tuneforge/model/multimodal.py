@@ -76,3 +76,18 @@ def adapted_paths(model: nn.Module, linear_paths: list[str], *, tower: bool, pro
     parts = media_parts(model)
     roots = [lm] + ([] if tower else parts["tower"]) + ([] if projector else parts["projector"])
     return [p for p in linear_paths if any(p.startswith(root + ".") for root in roots)]
+
+
+def packs_media(model: nn.Module) -> bool:
+    """Whether a multimodal model's samples stay apart in a flattened (padding-free) batch with its media: its
+    language model takes 1-D positions (no 3-D rope: no get_rope_index) and causal attention over the media tokens
+    (its forward takes no token_type_ids / mm_token_type_ids, with which Gemma 3 attends within an image both
+    ways and the Qwen-VL families place their rope)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", base)
+    if hasattr(inner, "get_rope_index") or hasattr(base, "get_rope_index"):
+        return False
+    parameters = inspect.signature(base.forward).parameters
+    return not ({"token_type_ids", "mm_token_type_ids"} & set(parameters))
