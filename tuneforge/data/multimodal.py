@@ -85,6 +85,12 @@ class MediaSample:
     tensors: dict[str, Any] = field(default_factory=dict)
 
 
+def _per_token(value: Any, width: int) -> bool:
+    """Whether a processor output is a per-token tensor of one sample (mm_token_type_ids, token_type_ids): shaped
+    (1, width) like its input_ids, and integer."""
+    return value.dim() == 2 and tuple(value.shape) == (1, width) and not value.is_floating_point()
+
+
 def _shift(position: int, replacements: list[dict[str, Any]]) -> int:
     """A character position of the rendered text -> the same position in the expanded text."""
     moved = position
@@ -129,7 +135,7 @@ def render_sample(processor: Any, chat: template.ChatTemplate, conv: Conversatio
     for key, value in out.items():
         if key in SKIPPED_KEYS or not hasattr(value, "shape"):
             continue
-        per_token = value.dim() == 2 and tuple(value.shape) == (1, len(ids)) and not value.is_floating_point()
+        per_token = _per_token(value, len(ids))
         tensors[TOKEN_PREFIX + key if per_token else key] = value[0] if per_token else value
     return MediaSample(ids, spans, media_spans, tensors)
 
@@ -154,8 +160,7 @@ def repeat_inputs(tensors: dict[str, Any], copies: int, width: int) -> dict[str,
     the others joined `copies` times, as the processor batches copies of one sample."""
     out = {}
     for key, value in tensors.items():
-        per_token = value.dim() == 2 and tuple(value.shape) == (1, width) and not value.is_floating_point()
-        out[key] = value.repeat(copies, 1) if per_token else _join([value] * copies)
+        out[key] = value.repeat(copies, 1) if _per_token(value, width) else _join([value] * copies)
     return out
 
 
@@ -167,8 +172,8 @@ def left_padded_media(samples: list[dict[str, Any]], lengths: list[int], width: 
     out: dict[str, Any] = {}
     for key in sorted({k for s in samples for k in s}):
         values = [s[key] for s in samples if key in s]
-        first, length = values[0], lengths[0]
-        if first.dim() == 2 and first.shape == (1, length) and not first.is_floating_point():
+        first = values[0]
+        if any(key in s and _per_token(s[key], n) for s, n in zip(samples, lengths, strict=True)):
             padded = torch.zeros(len(samples), width, dtype=first.dtype)
             for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
                 if key in s:

@@ -43,6 +43,7 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
     image)."""
     from tuneforge.data import formats, media, multimodal, registry
     from tuneforge.data.encode import bad_row_error
+    from tuneforge.data.template import parse_tools
     from tuneforge.infer.generation import render_prompt
 
     d = cfg.data
@@ -72,7 +73,7 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
                 if processor is not None:
                     conv.media = media.row_media(row, attr.columns)
                     ids, tensors = multimodal.prompt_inputs(processor, conv, settings,
-                                                            tools=template_tools(conv.tools))
+                                                            tools=parse_tools(conv.tools))
                     samples.append(Sample(ids, label, tensors))
                     continue
                 ids = render_prompt(tokenizer, template, conv.chat_messages(), tools=conv.tools)
@@ -97,12 +98,6 @@ def _cut(ids: list[int], stop_ids: set[int]) -> list[int]:
         if token in stop_ids:
             return ids[:k]
     return ids
-
-
-def template_tools(tools: str | None) -> list[dict[str, Any]] | None:
-    from tuneforge.data.template import parse_tools
-
-    return parse_tools(tools)
 
 
 @torch.no_grad()
