@@ -75,7 +75,7 @@ class _Parts:
     processor_class: str
     config: Any
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
-    video_processor: dict[str, Any] | None = None  # video_preprocessor_config.json, where the hub model ships one
+    video_processor: dict[str, Any] | None = None  # video_preprocessor_config.json, for the families with videos
 
 
 def chat_template(name: str) -> str:
@@ -141,6 +141,11 @@ def _qwen2_image_processor() -> Any:
                                     temporal_patch_size=2, merge_size=2)
 
 
+# the video settings transformers derives from Qwen2-VL's image settings (the hub folder ships none)
+QWEN2_VIDEO = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
+               "merge_size": 2, "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28}}
+
+
 def _qwen2_vl() -> _Parts:
     from transformers import Qwen2VLConfig
 
@@ -148,7 +153,8 @@ def _qwen2_vl() -> _Parts:
     vision = dict(depth=2, embed_dim=32, hidden_size=TEXT["hidden_size"], num_heads=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
     config = Qwen2VLConfig(text_config=_qwen2_text(tokenizer), vision_config=vision, tie_word_embeddings=True, **ids)
-    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2VLProcessor", config)
+    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2VLProcessor", config,
+                  video_processor=dict(QWEN2_VIDEO, processor_class="Qwen2VLProcessor"))
 
 
 def _qwen2_5_vl() -> _Parts:
@@ -161,7 +167,8 @@ def _qwen2_5_vl() -> _Parts:
                   fullatt_block_indexes=[1], tokens_per_second=2)
     config = Qwen2_5_VLConfig(text_config=_qwen2_text(tokenizer), vision_config=vision, tie_word_embeddings=True,
                               **ids)
-    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2_5_VLProcessor", config)
+    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2_5_VLProcessor", config,
+                  video_processor=dict(QWEN2_VIDEO, processor_class="Qwen2_5_VLProcessor"))
 
 
 def _qwen3_vl() -> _Parts:
@@ -316,6 +323,26 @@ _BUILDERS: dict[str, Callable[[], _Parts]] = {
     "qwen2_audio": _qwen2_audio,
 }
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def video_processors_load() -> bool:
+    """Whether transformers' video processors can be built here: they need a torchvision that loads beside this
+    torch (its PyPI build needs the CUDA torch) and a video decoder (PyAV or OpenCV)."""
+    from transformers.utils import is_torchvision_available
+
+    from tuneforge.data.media import video_decoder
+
+    if not is_torchvision_available() or video_decoder() is None:
+        return False
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # a torchvision built for another torch fails on import
+        return False
+    return True
+
+
+NO_VIDEO_REASON = ("transformers' video processors need torchvision (and PyAV or OpenCV to decode); this torch "
+                   "cannot load torchvision")
 
 
 def build_family(name: str, out_dir: Path) -> Path:

@@ -149,3 +149,17 @@ def test_llava_trains_on_padding_free_batches_and_two_processes_agree(tmp_path):
     assert "batches are padded" not in r.stderr and "needs padded batches" not in r.stderr
     train(EXAMPLE, two, model_dir, *SMALL[:1], "per_device_train_batch_size=2", *SMALL[2:], processes=2)
     assert_same_weights(one, two)
+
+
+def test_a_vlm_trains_on_llamafactorys_video_demo_and_two_processes_agree(tmp_path, vlm_dir, lf_data_dir):
+    from mm_families import NO_VIDEO_REASON, video_processors_load
+
+    if not video_processors_load():
+        pytest.skip(NO_VIDEO_REASON)
+    video = [*SMALL, "dataset=mllm_video_demo", "eval_dataset=null", f"dataset_dir={lf_data_dir}",
+             "video_max_pixels=12544", "video_fps=1.0", "cutoff_len=2048"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = train(EXAMPLE, one, vlm_dir, *video)
+    assert "train_samples=4" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
+    train(EXAMPLE, two, vlm_dir, *video[:1], "per_device_train_batch_size=2", *video[2:], processes=2)
+    assert_same_weights(one, two)

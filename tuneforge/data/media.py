@@ -2,8 +2,12 @@
 the model's processor sees it.
 
 A row names its media in its `images` / `videos` / `audios` columns (LlamaFactory's layout): paths relative to
-`media_dir` (default: dataset_dir), absolute paths, http(s) URLs, or images already decoded by `datasets`
-(an Image feature in parquet / arrow: a PIL image, or {"bytes": ..., "path": ...}). The messages mark where each
+`media_dir` (default: dataset_dir), absolute paths, http(s) URLs, or media already decoded by `datasets`
+(an Image feature in parquet / arrow: a PIL image, or {"bytes": ..., "path": ...}).
+
+A video is decoded only at the frames it keeps: the model's own video processor picks them (its sample_frames at
+video_fps, at most video_maxlen frames), so a family's rules (Qwen2-VL's even frame counts, its minimum of four)
+hold; the processor is then told not to sample again. The messages mark where each
 one goes with a placeholder (`<image>`, `<video>`, `<audio>`; LlamaFactory's IMAGE_PLACEHOLDER, ... environment
 variables rename them), in order.
 
@@ -41,6 +45,10 @@ class MediaSettings:
     image_min_pixels: int = 32 * 32
     image_do_pan_and_scan: bool = False  # passed to the processor (Gemma 3's crops of large images)
     crop_to_patches: bool = False  # passed to the processor (InternVL-style tiling)
+    video_max_pixels: int = 256 * 256
+    video_min_pixels: int = 16 * 16
+    video_fps: float = 2.0
+    video_maxlen: int = 128
     audio_sampling_rate: int = 16000
 
     @classmethod
@@ -48,7 +56,9 @@ class MediaSettings:
         m, d = cfg.model, cfg.data
         return cls(media_dir=d.media_dir or d.dataset_dir, image_max_pixels=m.image_max_pixels,
                    image_min_pixels=m.image_min_pixels, image_do_pan_and_scan=m.image_do_pan_and_scan,
-                   crop_to_patches=m.crop_to_patches, audio_sampling_rate=m.audio_sampling_rate)
+                   crop_to_patches=m.crop_to_patches, video_max_pixels=m.video_max_pixels,
+                   video_min_pixels=m.video_min_pixels, video_fps=m.video_fps, video_maxlen=m.video_maxlen,
+                   audio_sampling_rate=m.audio_sampling_rate)
 
     def processor_kwargs(self) -> dict[str, Any]:
         """The image options the user turned on, as the processors name them."""
@@ -90,6 +100,13 @@ def _is_url(ref: Any) -> bool:
     return isinstance(ref, str) and ref.startswith(("http://", "https://"))
 
 
+def _fetched(url: str) -> bytes:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as response:  # noqa: S310 (http(s) only: _is_url)
+        return response.read()
+
+
 def load_image(ref: Any, settings: MediaSettings) -> Any:
     """One image as an RGB PIL image, scaled into [image_min_pixels, image_max_pixels] (aspect ratio kept)."""
     from PIL import Image
@@ -114,19 +131,81 @@ def load_image(ref: Any, settings: MediaSettings) -> Any:
         raise
     except Exception as e:  # PIL raises several kinds for a broken or unknown file; the user needs the file named
         raise BadRow(f"image {_describe(ref)} cannot be read: {e}") from None
-    return _scaled(image.convert("RGB"), settings)
+    return _scaled(image.convert("RGB"), settings.image_min_pixels, settings.image_max_pixels)
 
 
-def _scaled(image: Any, settings: MediaSettings) -> Any:
+def _scaled(image: Any, min_pixels: int, max_pixels: int) -> Any:
+    """The image scaled (aspect ratio kept) so its pixel count lies in [min_pixels, max_pixels]."""
     pixels = image.width * image.height
-    if pixels > settings.image_max_pixels:
-        factor = math.sqrt(settings.image_max_pixels / pixels)
-    elif pixels < settings.image_min_pixels:
-        factor = math.sqrt(settings.image_min_pixels / pixels)
+    if pixels > max_pixels:
+        factor = math.sqrt(max_pixels / pixels)
+    elif pixels < min_pixels:
+        factor = math.sqrt(min_pixels / pixels)
     else:
         return image
     size = (max(1, int(image.width * factor)), max(1, int(image.height * factor)))
     return image.resize(size)
+
+
+VIDEO_DECODERS = (("av", "pyav"), ("cv2", "opencv"), ("decord", "decord"))  # module, transformers' backend name
+
+
+def video_decoder() -> str | None:
+    """transformers' name of the first installed video decoder (PyAV, as LlamaFactory uses, else OpenCV, Decord)."""
+    import importlib.util
+
+    return next((backend for module, backend in VIDEO_DECODERS if importlib.util.find_spec(module)), None)
+
+
+def frame_sampler(video_processor: Any, settings: MediaSettings) -> Any:
+    """The frames to keep of one video, given its metadata: the video processor's own choice at video_fps, or
+    video_maxlen frames spread over the video where that choice holds more."""
+
+    def sample(metadata: Any, **_: Any) -> Any:
+        indices = video_processor.sample_frames(metadata, fps=settings.video_fps)
+        if len(indices) > settings.video_maxlen:
+            indices = video_processor.sample_frames(metadata, num_frames=settings.video_maxlen)
+        return indices
+
+    return sample
+
+
+def load_video(ref: Any, settings: MediaSettings, processor: Any) -> tuple[Any, Any]:
+    """One video as (frames, metadata): its sampled frames (T, H, W, 3 uint8, each scaled into
+    [video_min_pixels, video_max_pixels]) and transformers' VideoMetadata (fps, frames_indices: Qwen3-VL writes
+    the frames' timestamps from them)."""
+    import contextlib
+    import tempfile
+
+    import numpy as np
+    from PIL import Image
+    from transformers.video_utils import VIDEO_DECODERS as DECODE
+
+    backend = video_decoder()
+    if backend is None:
+        raise DataError("reading videos needs PyAV: pip install 'tuneforge[video]'")
+    try:
+        with contextlib.ExitStack() as stack:
+            if isinstance(ref, dict) and ref.get("bytes") or _is_url(ref):
+                held = stack.enter_context(tempfile.NamedTemporaryFile(suffix=".video"))  # decoders read files
+                held.write(_fetched(ref) if _is_url(ref) else ref["bytes"])
+                held.flush()
+                source = held.name
+            else:
+                path = ref.get("path") if isinstance(ref, dict) else ref
+                if not isinstance(path, (str, os.PathLike)):
+                    raise BadRow(f"a video must be a path or a URL, got {type(ref).__name__}")
+                source = str(_local_path(str(path), settings, "video"))
+            frames, metadata = DECODE[backend](source, frame_sampler(processor.video_processor, settings))
+    except (BadRow, DataError):
+        raise
+    except Exception as e:  # decoders raise their own kinds for a broken or unknown file; the user needs it named
+        raise BadRow(f"video {_describe(ref)} cannot be read: {e}") from None
+    if len(frames) == 0:
+        raise BadRow(f"video {_describe(ref)} has no frames to read")
+    scaled = [np.asarray(_scaled(Image.fromarray(frame), settings.video_min_pixels, settings.video_max_pixels))
+              for frame in frames]
+    return np.stack(scaled), metadata
 
 
 def load_audio(ref: Any, settings: MediaSettings) -> Any:
@@ -148,10 +227,7 @@ def load_audio(ref: Any, settings: MediaSettings) -> Any:
             elif isinstance(ref, dict) and ref.get("path"):
                 source = _local_path(ref["path"], settings, "audio")
             elif _is_url(ref):
-                import urllib.request
-
-                with urllib.request.urlopen(ref, timeout=60) as response:  # noqa: S310 (http(s) only, checked)
-                    source = io.BytesIO(response.read())
+                source = io.BytesIO(_fetched(ref))
             elif isinstance(ref, (str, os.PathLike)):
                 source = _local_path(str(ref), settings, "audio")
             else:
@@ -169,18 +245,11 @@ def load_audio(ref: Any, settings: MediaSettings) -> Any:
     return np.ascontiguousarray(data, dtype=np.float32)
 
 
-LOADERS = {"image": load_image, "audio": load_audio}
-
-
-def load_media(media: dict[str, list[Any]], settings: MediaSettings) -> dict[str, list[Any]]:
-    """kind -> the decoded media, ready for the processor."""
-    out = {}
-    for kind, refs in media.items():
-        loader = LOADERS.get(kind)
-        if loader is None:
-            raise BadRow(f"{COLUMN_OF[kind]} are not supported yet; use images or audio")
-        out[kind] = [loader(ref, settings) for ref in refs]
-    return out
+def load_media(media: dict[str, list[Any]], settings: MediaSettings, processor: Any) -> dict[str, list[Any]]:
+    """kind -> the decoded media, ready for the processor (videos as (frames, metadata) pairs)."""
+    loaders = {"image": load_image, "audio": load_audio,
+               "video": lambda ref, s: load_video(ref, s, processor)}
+    return {kind: [loaders[kind](ref, settings) for ref in refs] for kind, refs in media.items()}
 
 
 # ---------------------------------------------------------------- what a processor reads
@@ -214,7 +283,5 @@ def check_media(processor: Any, kinds: set[str], where: str) -> None:
     if missing:
         raise DataError(f"{where} holds {', '.join(sorted(missing))}, which {type(processor).__name__} cannot read; "
                         f"it reads {', '.join(sorted(supported_media(processor))) or 'no media'}")
-    unread = sorted(kinds - set(LOADERS))
-    if unread:
-        raise DataError(f"{where} holds {' and '.join(COLUMN_OF[k] for k in unread)}, which tuneforge does not read "
-                        f"yet (images and audio only)")
+    if "video" in kinds and video_decoder() is None:
+        raise DataError(f"{where} holds videos; decoding them needs PyAV: pip install 'tuneforge[video]'")

@@ -106,8 +106,9 @@ def process(processor: Any, text: str, loaded: dict[str, list[Any]], settings: m
     kwargs: dict[str, Any] = settings.processor_kwargs() if loaded.get("image") else {}
     if loaded.get("image"):
         kwargs["images"] = loaded["image"]
-    if loaded.get("video"):
-        kwargs["videos"] = loaded["video"]
+    if loaded.get("video"):  # (frames, metadata) pairs, already sampled (media.load_video)
+        kwargs.update(videos=[frames for frames, _ in loaded["video"]],
+                      video_metadata=[metadata for _, metadata in loaded["video"]], do_sample_frames=False)
     if loaded.get("audio"):
         kwargs.update(audio=loaded["audio"], sampling_rate=settings.audio_sampling_rate)
     try:
@@ -122,7 +123,7 @@ def render_sample(processor: Any, chat: template.ChatTemplate, conv: Conversatio
     """Render, expand and tokenize one conversation with its media (BadRow for a broken row or file)."""
     place_media(conv, media.placeholders())
     text, char_spans = template.render(processor, chat, conv, messages=chat_messages(conv))
-    out = process(processor, text, media.load_media(conv.media, settings), settings)
+    out = process(processor, text, media.load_media(conv.media, settings, processor), settings)
     if "text_replacement_offsets" not in out:
         raise DataError(f"{type(processor).__name__} does not report where it expands media tokens "
                         f"(return_text_replacement_offsets); tuneforge needs transformers >= 5.25 for this model")
@@ -150,7 +151,7 @@ def prompt_inputs(processor: Any, conv: Conversation, settings: media.MediaSetti
                                              add_generation_prompt=True)
     except Exception as e:  # templates raise for conversations they refuse
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
-    out = process(processor, text, media.load_media(conv.media, settings), settings)
+    out = process(processor, text, media.load_media(conv.media, settings, processor), settings)
     tensors = {k: v for k, v in out.items() if k not in SKIPPED_KEYS and hasattr(v, "shape")}
     return out["input_ids"][0].tolist(), tensors
 
