@@ -44,6 +44,8 @@ class ModelArgs:
     cache_dir: str | None = opt(help="where hub downloads are cached")
     model_revision: str = opt("main", help="hub revision (branch, tag or commit)")
     flash_attn: str = opt("auto", choices=FLASH_ATTN, help="attention: auto (sdpa), disabled/eager, sdpa, fa2")
+    use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
+                                        "only; off: transformers' own layers, which work offline)")
     disable_gradient_checkpointing: bool = opt(False, help="gradient checkpointing is on by default")
     quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="QLoRA: load the base in 4 or 8 bit")
     quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")

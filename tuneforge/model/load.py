@@ -219,8 +219,9 @@ def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.
 
     auto = AutoModelForMultimodalLM if is_multimodal(config) else AutoModelForCausalLM
     attn = attention_implementation(model_args.flash_attn)
+    # use_kernels: transformers (5.2x, with `kernels` installed) would otherwise fetch hub kernels on a GPU
     kwargs = dict(config=config, dtype=dtype, trust_remote_code=model_args.trust_remote_code,
-                  device_map={"": str(device)})
+                  device_map={"": str(device)}, use_kernels=model_args.use_kernels)
     if quant is not None:
         kwargs["quantization_config"] = quant
     try:
