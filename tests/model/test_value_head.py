@@ -96,6 +96,17 @@ def test_value_head_is_fp32_zero_mean_and_trainable(tiny_model_dir):
         assert wrapped.score(padded_batch()).dtype == torch.float32
 
 
+def test_a_fresh_critic_values_every_token_at_zero_and_learns(tiny_model_dir):
+    critic = ValueHeadModel(load(tiny_model_dir, lora=True), critic=True).train()
+    names = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert {"v_head.weight", "v_head.bias"} <= names  # values regress on returns: the bias trains
+    batch = padding_free_batch()
+    values = critic.score(batch)
+    assert values.abs().max() == 0  # no noise in the first rollout's advantages
+    ((values - 1.0) ** 2).sum().backward()
+    assert float(critic.v_head.weight.grad.abs().sum()) > 0 and float(critic.v_head.bias.grad.abs()) > 0
+
+
 def test_forwards_the_model_attributes(tiny_model_dir):
     inner = load(tiny_model_dir, lora=True)
     wrapped = ValueHeadModel(inner)

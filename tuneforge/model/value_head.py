@@ -38,9 +38,12 @@ def hidden_size(config: Any) -> int:
 
 
 class ValueHeadModel(torch.nn.Module):
-    """model: the causal LM (plain or peft-wrapped); v_head_state: saved v_head weights, else a fresh
-    zero-mean init (normal, std 1/sqrt(hidden_size + 1); bias 0). critic: a PPO critic (values regress on
-    returns: the bias trains) saved as critic_head.safetensors.
+    """model: the causal LM (plain or peft-wrapped); v_head_state: saved v_head weights, else a fresh init: for a
+    reward model zero-mean (normal, std 1/sqrt(hidden_size + 1); bias 0), for a critic (values regress on returns:
+    the bias trains; saved as critic_head.safetensors) all zeros. A random critic's values differ by about the
+    hidden states' RMS from one token to the next (~1.3 on SmolLM2-135M, against rewards of 0 or 1), and PPO's
+    per-token advantages (differences of values) would be that noise until the critic learns; a zero critic
+    starts them at the discounted reward itself.
 
     A reward model's bias is frozen. The rm loss reads only differences of scores (r_chosen − r_rejected), from which the
     bias cancels: its gradient is zero but for rounding (~1e-8), and AdamW normalizes a gradient that small into
@@ -56,7 +59,10 @@ class ValueHeadModel(torch.nn.Module):
         size = hidden_size(model.config)
         device = next(model.parameters()).device
         self.v_head = torch.nn.Linear(size, 1, dtype=torch.float32, device=device)
-        torch.nn.init.normal_(self.v_head.weight, std=1 / math.sqrt(size + 1))
+        if critic:
+            torch.nn.init.zeros_(self.v_head.weight)
+        else:
+            torch.nn.init.normal_(self.v_head.weight, std=1 / math.sqrt(size + 1))
         torch.nn.init.zeros_(self.v_head.bias)
         self.v_head.bias.requires_grad_(critic)  # see the class docstring
         if v_head_state is not None:
