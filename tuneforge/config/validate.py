@@ -87,6 +87,15 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
              f"{m.image_max_pixels})", key=("image_min_pixels", "image_max_pixels"))
     if m.audio_sampling_rate <= 0:
         fail(f"audio_sampling_rate must be > 0 (got {m.audio_sampling_rate})", key="audio_sampling_rate")
+    if not 0 < m.video_min_pixels <= m.video_max_pixels:
+        fail(f"video_min_pixels must be > 0 and at most video_max_pixels (got {m.video_min_pixels} and "
+             f"{m.video_max_pixels})", key=("video_min_pixels", "video_max_pixels"))
+    if m.video_fps <= 0 or m.video_maxlen < 1:
+        fail(f"video_fps must be > 0 and video_maxlen at least 1 (got {m.video_fps} and {m.video_maxlen})",
+             key=("video_fps", "video_maxlen"))
+    if m.use_audio_in_video:
+        fail("use_audio_in_video: true needs an omni model (Qwen2.5-Omni), which tuneforge does not train yet; "
+             "set it to false (videos are then seen without their sound)", key="use_audio_in_video")
     _check_preference(cfg, fail)
     check_rl(cfg, fail)
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
