@@ -74,9 +74,8 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def lf_data_dir():
     """LlamaFactory's own dataset_info.json and demo data (shared, read-only)."""
-    from pathlib import Path
-
     import os
+    from pathlib import Path
 
     path = Path(os.environ.get("TUNEFORGE_LF_DATA")  # elsewhere on a machine without the shared folder
                 or Path(__file__).resolve().parents[2] / "shared" / "data" / "llamafactory")

@@ -55,12 +55,14 @@ Idefics3 checkpoint.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+PROJECT = Path(__file__).resolve().parents[1]
 
 # text part shared by every family (the families' own text config classes, shrunk)
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -323,6 +325,20 @@ _BUILDERS: dict[str, Callable[[], _Parts]] = {
     "qwen2_audio": _qwen2_audio,
 }
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def shape_prompts(root: Path) -> list[dict]:
+    """Our shapes rows as prompts with an answer column: each picture's question, answered with its color."""
+    rows = json.loads((PROJECT / "data" / "shapes_train.json").read_text())[:4]
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(PROJECT / "data" / "shapes", root / "shapes", dirs_exist_ok=True)
+    prompts = [{"messages": row["messages"][:1], "images": row["images"],
+                "answer": row["messages"][1]["content"].split()[1]} for row in rows]
+    (root / "prompts.json").write_text(json.dumps(prompts))
+    (root / "dataset_info.json").write_text(json.dumps({"prompts": {
+        "file_name": "prompts.json", "formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    return prompts
 
 
 def video_processors_load() -> bool:

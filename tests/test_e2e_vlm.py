@@ -163,3 +163,30 @@ def test_a_vlm_trains_on_llamafactorys_video_demo_and_two_processes_agree(tmp_pa
     assert "train_samples=3" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
     train(EXAMPLE, two, vlm_dir, *video[:1], "per_device_train_batch_size=2", *video[2:], processes=2)
     assert_same_weights(one, two)
+
+
+@pytest.mark.parametrize("stage, extra", [("grpo", ["num_generations=2"]), ("ppo", ["ppo_epochs=1"])])
+def test_rl_stages_sample_answers_about_images(tmp_path, vlm_dir, stage, extra):
+    from mm_families import shape_prompts
+
+    shape_prompts(tmp_path / "data")
+    out = tmp_path / stage
+    rl = [f"stage={stage}", "reward_funcs=accuracy", "dataset=prompts", f"dataset_dir={tmp_path / 'data'}",
+          "eval_dataset=null", "max_completion_length=8", "per_device_train_batch_size=2", "max_steps=2"]
+    train(EXAMPLE, out, vlm_dir, *SMALL, *rl, *extra)
+    logged = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert any("rewards/accuracy/mean" in row for row in logged), logged[-1]
+    assert (out / "adapter_model.safetensors").is_file() and (out / "processor_config.json").is_file()
+    if stage == "grpo":  # held-out rewards of the trained policy, answering about the same pictures
+        import subprocess
+        import sys
+
+        r = subprocess.run([sys.executable, "-m", "tuneforge.cli", "eval", EXAMPLE, f"model_name_or_path={vlm_dir}",
+                            f"adapter_name_or_path={out}", f"save_dir={tmp_path / 'eval'}", "image_max_pixels=12544",
+                            *rl[:5], "max_completion_length=8", "num_generations=2"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+        assert 0.0 <= results["eval_rewards/accuracy/mean"] <= 1.0
+        lines = (tmp_path / "eval" / "generated_completions.jsonl").read_text().splitlines()
+        assert len(lines) == 2 * 4 and json.loads(lines[0])["prompt"].count("<|image_pad|>") == 1

@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 
 
 class Rollouts:
-    def __init__(self, cfg: RunConfig, tokenizer: Any) -> None:
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: RunConfig, tokenizer: Any, processor: Any = None) -> None:
+        """processor: a vision- / audio-language model's (its chat template and end of turn; its media tokens)."""
+        self.cfg, self.tokenizer, self.processor = cfg, tokenizer, processor
         self._generate: Any = None
         self._rewards: Any = None
         self._stops: frozenset[int] | None = None
+        self._media_ids = frozenset(media_token_ids(processor)) if processor is not None else frozenset()
 
     def __call__(self, model: Any, prompts: Sequence[Sequence[int]], **overrides: Any) -> list[list[int]]:
         return self._generator()(model, prompts, **overrides)
@@ -33,7 +35,7 @@ class Rollouts:
         if self._generate is None:
             from tuneforge.infer.generation import completion_generator
 
-            self._generate = completion_generator(self.cfg, self.tokenizer)
+            self._generate = completion_generator(self.cfg, self.tokenizer, self.processor)
         return self._generate
 
     @property
@@ -42,15 +44,25 @@ class Rollouts:
         if self._stops is None:
             from tuneforge.infer.generation import chat_template, end_of_turn
 
-            self._stops = frozenset(end_of_turn(self.tokenizer, chat_template(self.cfg, self.tokenizer)).token_ids)
+            template = chat_template(self.cfg, self.processor or self.tokenizer)
+            self._stops = frozenset(end_of_turn(self.tokenizer, template, self.processor).token_ids)
         return self._stops
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of ids; a run of one media token (an image's 64 <|image_pad|>) reads as one, so the rewards
+        see where each medium was without its expansion."""
+        ids = list(ids)
+        if self._media_ids:
+            ids = [t for i, t in enumerate(ids) if not (t in self._media_ids and i and ids[i - 1] == t)]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def collate(self, groups: list[list[dict[str, list[int]]]], layout: Layout) -> tuple[dict, dict]:
+    def collate(self, groups: list[list[dict[str, list[int]]]], layout: Layout,
+                media: Sequence[bytes | None] | None = None) -> tuple[dict, dict]:
         from tuneforge.data.collate import Collator
+        from tuneforge.data.multimodal import MEDIA_COLUMN
 
+        if media:  # per-token media inputs are padded with 0 (text) over the completion
+            groups = [[{**s, MEDIA_COLUMN: blob} for s in group] for group, blob in zip(groups, media, strict=True)]
         return Collator(self.tokenizer.pad_token_id, layout).groups(groups)
 
     @property
@@ -69,3 +81,11 @@ class Rollouts:
             self._rewards = build_rewards(self.cfg, self.tokenizer, device=device)
         scores = self._rewards(prompts, completions, columns, completion_ids)
         return scores.per_reward.to(device), scores.total.to(device)
+
+
+def media_token_ids(processor: Any) -> list[int]:
+    """The ids of the tokens the processor expands for each medium (<|image_pad|>, <image>, ...)."""
+    from tuneforge.data.media import KINDS, media_token
+
+    tokens = [media_token(processor, kind) for kind in KINDS]
+    return [processor.tokenizer.convert_tokens_to_ids(t) for t in tokens if t]

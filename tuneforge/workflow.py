@@ -183,7 +183,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
         gc.collect()
     elif uses_reference(cfg):
         reference = strategy.place_reference(build_reference(cfg))  # FSDP shards it, ZeRO-3 partitions it
-    objective = build_objective(cfg, reference, generate=rollout_generator(cfg, tokenizer))
+    objective = build_objective(cfg, reference, generate=rollout_generator(cfg, tokenizer, splits.processor))
     # saved beside the model: the processor (its tokenizer included) of a vision- / audio-language model
     files = splits.processor or tokenizer
     trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
@@ -207,13 +207,13 @@ def check_reward_columns(cfg: RunConfig, splits) -> None:
             raise DataError(f"dataset '{name}': {e}") from None
 
 
-def rollout_generator(cfg: RunConfig, tokenizer):
+def rollout_generator(cfg: RunConfig, tokenizer, processor=None):
     """What an objective's prepare generates with (infer.generation.completion_generator: the stops and sampling
     settings chat and eval use) and, for the RL stages, decodes, collates and scores with (tuneforge/rollout.py);
     each part is built on first use, so a stage that never samples never renders a template."""
     from tuneforge.rollout import Rollouts
 
-    return Rollouts(cfg, tokenizer)
+    return Rollouts(cfg, tokenizer, processor)
 
 
 def ask_model(cfg: RunConfig, model, tokenizer, question: str, processor=None) -> str:

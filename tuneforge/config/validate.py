@@ -144,10 +144,10 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         fail("ddp_timeout and data_wait_timeout are seconds and must be >= 1", key=("ddp_timeout", "data_wait_timeout"))
     if t.eval_steps is not None and t.eval_steps < 1:
         fail(f"eval_steps must be >= 1 (got {t.eval_steps})", key="eval_steps")
-    has_eval = bool(d.eval_dataset) or d.val_size > 0
-    if t.eval_strategy != "no" and not has_eval:
+    has_eval = bool(d.eval_dataset) or d.val_size > 0  # training's evaluation (tuneforge eval falls back to dataset)
+    if for_training and t.eval_strategy != "no" and not has_eval:
         fail(f"eval_strategy {t.eval_strategy} needs evaluation data: set val_size or eval_dataset", key="eval_strategy")
-    if t.eval_on_start and not has_eval:
+    if for_training and t.eval_on_start and not has_eval:
         fail("eval_on_start needs evaluation data: set val_size or eval_dataset", key="eval_on_start")
     if t.early_stopping_steps is not None:
         if t.early_stopping_steps < 1:

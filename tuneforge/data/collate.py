@@ -86,6 +86,8 @@ class Collator:
         elif self.layout.rows == "prompt":  # the objective's prepare samples completions and builds the inputs
             model_inputs = {}
             targets = {"prompt_ids": [list(r["input_ids"]) for r in rows], "columns": [row_columns(r) for r in rows]}
+            if any(r.get(MEDIA_COLUMN) for r in rows):  # each prompt's media tensors, for sampling and the loss
+                targets["prompt_media"] = [r.get(MEDIA_COLUMN) for r in rows]
         else:
             model_inputs, targets = self._preference(rows, prefixes)
         return Batch(model_inputs, targets, self.layout, num_rows=len(rows), num_tokens=count_tokens(rows, prefixes))

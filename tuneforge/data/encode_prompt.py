@@ -7,7 +7,9 @@ reference response, ...) is kept as JSON text in `columns`, and reaches the rewa
 prompt's completions.
 
 A prompt must leave room for max_completion_length tokens within cutoff_len: a longer one keeps its last
-tokens (the generation prompt and the question's end) and counts as truncated.
+tokens (the generation prompt and the question's end) and counts as truncated; one with images (a vision-language
+model's: rendered by its processor, whose tensors the row keeps as mm_inputs) is dropped instead and counted as
+media_cut, since a cut could split an image's tokens.
 """
 
 from __future__ import annotations
@@ -67,25 +69,41 @@ def encode_prompts(
     attr: DatasetAttr,
     settings: EncodeSettings,
     row_numbers: list[int] | None = None,
+    processor: Any = None,
+    media_settings: Any = None,
 ) -> dict[str, list]:
-    """grpo: each row's prompt ids (generation prompt included) and its other columns as JSON text."""
+    """grpo / ppo: each row's prompt ids (generation prompt included) and its other columns as JSON text; with a
+    processor, also the prompt's media tensors (mm_inputs)."""
+    from tuneforge.data import media, multimodal
+
     budget = settings.cutoff_len - settings.completion_room
     own = prompt_columns(attr)
     out: dict[str, list] = {"input_ids": [], "attention_mask": [], COLUMNS: [], "_status": []}
+    if processor is not None:
+        out[multimodal.MEDIA_COLUMN] = []
     for i, row in enumerate(batch_rows(batch)):
+        blob = b""
         try:
             conv = prompt_conversation(row, attr, settings.default_system)
-            ids = template.render_prompt(tokenizer, chat, conv.chat_messages(), conv.tools)
+            if processor is None:
+                ids = template.render_prompt(tokenizer, chat, conv.chat_messages(), conv.tools)
+            else:
+                conv.media = media.row_media(row, attr.columns)
+                ids, tensors = multimodal.prompt_inputs(processor, conv, media_settings, conv.tools)
+                if len(ids) <= budget:
+                    blob = multimodal.pack_tensors(multimodal.stored_tensors(tensors, len(ids)), list(range(len(ids))))
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             ids, status = [], "bad"
         else:
-            status = "ok" if len(ids) <= budget else "ok_truncated"
-            ids = ids[-budget:]
+            status = "ok" if len(ids) <= budget else "media_cut" if processor is not None else "ok_truncated"
+            ids = ids[-budget:] if status != "media_cut" else []
         out["input_ids"].append(ids)
         out["attention_mask"].append([1] * len(ids))
         out[COLUMNS].append(json.dumps({k: v for k, v in row.items() if k not in own}, ensure_ascii=False, default=str))
         out["_status"].append(status)
+        if processor is not None:
+            out[multimodal.MEDIA_COLUMN].append(blob)
     return out
 
 

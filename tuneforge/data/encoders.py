@@ -81,4 +81,4 @@ register_encoder(Encoder("feedback", encode_pref.encode_feedback, encode_pref.fe
                          batch_dependent=True, sequences=SEQUENCE_PREFIXES["feedback"], show=_show_feedback,
                          media=True))
 register_encoder(Encoder("prompt", encode_prompt.encode_prompts, encode_prompt.prompt_features,
-                         samples_completions=True, show=_show_prompt))
+                         samples_completions=True, show=_show_prompt, media=True))

@@ -132,13 +132,25 @@ def render_sample(processor: Any, chat: template.ChatTemplate, conv: Conversatio
     spans = template.token_spans(offsets, [(_shift(a, replacements), _shift(b, replacements)) for a, b in char_spans])
     media_spans = template.token_spans(offsets, [tuple(r["new_span"]) for r in replacements])
     ids = out["input_ids"][0].tolist()
+    return MediaSample(ids, spans, media_spans, stored_tensors(out, len(ids)))
+
+
+def stored_tensors(out: Any, width: int) -> dict[str, Any]:
+    """The processor's tensors of one sample as rows store them: per-token ones (1, width) as (width,) under
+    TOKEN_PREFIX, the others as they are."""
     tensors = {}
     for key, value in out.items():
         if key in SKIPPED_KEYS or not hasattr(value, "shape"):
             continue
-        per_token = _per_token(value, len(ids))
+        per_token = _per_token(value, width)
         tensors[TOKEN_PREFIX + key if per_token else key] = value[0] if per_token else value
-    return MediaSample(ids, spans, media_spans, tensors)
+    return tensors
+
+
+def generate_inputs(blob: bytes | None) -> dict[str, Any]:
+    """A stored sample's tensors (mm_inputs) as prompt_inputs gives them for generate: per-token ones (1, n)."""
+    return {(k[len(TOKEN_PREFIX):] if k.startswith(TOKEN_PREFIX) else k): (v[None] if k.startswith(TOKEN_PREFIX) else v)
+            for k, v in unpack_tensors(blob).items()}
 
 
 def prompt_inputs(processor: Any, conv: Conversation, settings: media.MediaSettings,

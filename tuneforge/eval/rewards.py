@@ -56,7 +56,7 @@ def evaluate_rewards(cfg: Any, out_dir: Path) -> dict[str, Any]:
     rl = resolved_rl(cfg)
     logger.info("rewards on %s: %d prompts x %d completions", which, len(rows), rl.num_generations)
     model = load_inference_model(cfg, value_head=False)
-    sampler = RewardSampler(Rollouts(cfg, tokenizer), rl.num_generations, rl.max_completion_length)
+    sampler = RewardSampler(Rollouts(cfg, tokenizer, splits.processor), rl.num_generations, rl.max_completion_length)
     collator = Collator(tokenizer.pad_token_id, Layout(rows="prompt"))
     size, sums, counts, lines = cfg.train.per_device_eval_batch_size, {}, {}, []
     started = time.perf_counter()

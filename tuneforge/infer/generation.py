@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tuneforge.data.multimodal import generate_inputs, left_padded_media
 from tuneforge.data.template import ChatTemplate, render_prompt, resolve_template
 from tuneforge.errors import DataError
 
@@ -175,7 +176,7 @@ def shared_prompt_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor, copie
     return cache
 
 
-def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
+def completion_generator(cfg: RunConfig, tokenizer: Any, processor: Any = None) -> GenerateCompletions:
     """A function that generates completions of token-id prompts as chat and eval do: the same stop tokens (eos
     and the chat template's end of turn) and sampling settings (the generate keys: do_sample, temperature,
     top_p, top_k, num_beams, max_new_tokens, repetition_penalty, length_penalty).
@@ -186,18 +187,19 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
     train / eval mode is restored afterwards). prompts: token-id lists (rendered with the chat template, e.g.
     render_prompt), left-padded together into one batch. overrides: `model.generate` keywords that replace the
     configured ones (max_new_tokens=..., do_sample=False, num_return_sequences=G: G completions per prompt,
-    one after the other), and `seeds`: one seed per completion, each sampled from its own generator
-    (SeededSampling), so a completion does not depend on the prompts it is batched with. Returns the completions only (no prompt, no padding), each up to and including the
+    one after the other), `seeds`: one seed per completion, each sampled from its own generator
+    (SeededSampling), so a completion does not depend on the prompts it is batched with, and `media`: each
+    prompt's stored media tensors (mm_inputs) for a vision-language model. Returns the completions only (no prompt, no padding), each up to and including the
     stop token that ended it (absent when it ran to max_new_tokens). In a run of several processes it generates
     with synced_gpus (every rank keeps taking forwards until all have finished), so every rank must call it the
     same number of times, as the trainer's prepare calls are."""
-    stops = end_of_turn(tokenizer, chat_template(cfg, tokenizer))
+    stops = end_of_turn(tokenizer, chat_template(cfg, processor or tokenizer), processor)
     configured = generate_kwargs(cfg.generate, tokenizer, stops)
     pad_id = configured["pad_token_id"]
 
     @torch.no_grad()
     def generate(model: Any, prompts: Sequence[Sequence[int]] | torch.Tensor, *, seeds: Sequence[int] | None = None,
-                 **overrides: Any) -> list[list[int]]:
+                 media: Sequence[bytes | None] | None = None, **overrides: Any) -> list[list[int]]:
         rows = prompts.tolist() if torch.is_tensor(prompts) else [list(p) for p in prompts]
         if not rows:
             return []
@@ -210,6 +212,10 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
         ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         kwargs = {**configured, "use_cache": True}
+        if media is not None and any(media):  # each prompt's stored media tensors (mm_inputs), once per its rows
+            samples = [generate_inputs(blob) for blob in media for _ in range(copies)]
+            joined = left_padded_media(samples, [len(r) for r in rows], width)
+            kwargs.update({k: v.to(device) for k, v in joined.items()})
         if overrides.get("do_sample") is False:  # greedy: no sampling settings (transformers warns of them)
             kwargs.update(temperature=None, top_p=None, top_k=None)
         kwargs.update(overrides)
@@ -222,7 +228,7 @@ def completion_generator(cfg: RunConfig, tokenizer: Any) -> GenerateCompletions:
         was_training = model.training
         model.eval()
         try:
-            if copies > 1 and width > 1 and kwargs.get("num_beams", 1) == 1:
+            if copies > 1 and width > 1 and kwargs.get("num_beams", 1) == 1 and not (media and any(media)):
                 kwargs["cache"] = shared_prompt_cache(model, ids, mask, copies)
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         finally:

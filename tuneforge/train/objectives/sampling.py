@@ -27,14 +27,17 @@ class Rollouts(Protocol):
     reward_names: list[str]
 
     def __call__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], **overrides: Any) -> list[list[int]]:
-        """Completions of token-id prompts (infer.generation.completion_generator; overrides as there)."""
+        """Completions of token-id prompts (infer.generation.completion_generator; overrides as there, media=
+        each prompt's stored media tensors)."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def collate(self, groups: list[list[dict[str, list[int]]]], layout: Layout) -> tuple[dict, dict]:
+    def collate(self, groups: list[list[dict[str, list[int]]]], layout: Layout,
+                media: Sequence[bytes | None] | None = None) -> tuple[dict, dict]:
         """Groups of sequences ({input_ids, labels}) that begin with the same prompt -> (model_inputs, targets):
-        on one copy of each prompt under a shared-prefix layout (data.collate.Collator.groups)."""
+        on one copy of each prompt under a shared-prefix layout (data.collate.Collator.groups); media: each
+        group's prompt's stored media tensors, given to every sequence of the group."""
         ...
 
     def score(self, prompts: list[str], completions: list[str], columns: list[dict[str, Any]],
@@ -75,7 +78,7 @@ class SamplingObjective:
         row_seeds = batch.sample_seeds or tuple(range(len(prompts)))
         seeds = [sample_seed(row_seed, j) for row_seed in row_seeds for j in range(G)]
         completions = self.rollouts(model, prompts, num_return_sequences=G, max_new_tokens=self.max_completion_length,
-                                    seeds=seeds)
+                                    seeds=seeds, media=batch.targets.get("prompt_media"))
         owners = [b for b in range(len(prompts)) for _ in range(G)]  # the prompt of each completion
         prompt_texts = [self.rollouts.decode(p, skip_special_tokens=False) for p in prompts]
         texts = [self.rollouts.decode(c) for c in completions]
@@ -83,7 +86,8 @@ class SamplingObjective:
         device = next(model.parameters()).device
         per_reward, total = self.rollouts.score([prompt_texts[b] for b in owners], texts, columns, completions, device)
         truncated = [not c or c[-1] not in self.rollouts.stop_token_ids for c in completions]
-        return {"prompts": prompts, "owners": owners, "completions": completions, "texts": texts,
+        return {"prompts": prompts, "media": batch.targets.get("prompt_media"), "owners": owners,
+                "completions": completions, "texts": texts,
                 "prompt_texts": prompt_texts, "per_reward": per_reward.float(), "rewards": total.float(),
                 "truncated": truncated}
 
@@ -100,7 +104,7 @@ class SamplingObjective:
         G, layout = self.num_generations, Layout(rows="plain", flat=batch.layout.flat,
                                                  shared_prefix=batch.layout.shared_prefix)
         groups = [sequences[i : i + G] for i in range(0, len(sequences), G)]
-        model_inputs, targets = self.rollouts.collate(groups, layout)
+        model_inputs, targets = self.rollouts.collate(groups, layout, media=r["media"])
         collated = Batch(model_inputs, targets, layout).to(next(model.parameters()).device)
         return replace(collated, num_tokens=sum(len(seq["input_ids"]) for seq in sequences))
 
