@@ -162,6 +162,20 @@ def test_a_second_build_reads_the_cache_not_the_images(home, make_cfg, processor
     assert again.stats["cache_hit"] and again.train[0][MEDIA_COLUMN] == first.train[0][MEDIA_COLUMN]
 
 
+def test_an_image_changed_in_place_is_read_again(home, make_cfg, processor, mm_data):
+    from PIL import Image
+
+    root, rows = mm_data
+    write(root, rows[:1])
+    first = built(make_cfg, processor, root)
+    assert built(make_cfg, processor, root).stats["cache_hit"]
+    picture = root / rows[0]["images"][0]
+    Image.new("RGB", Image.open(picture).size, "red").save(picture)  # same name, new pixels
+    again = built(make_cfg, processor, root)
+    assert not again.stats["cache_hit"] and again.train[0][MEDIA_COLUMN] != first.train[0][MEDIA_COLUMN]
+    assert built(make_cfg, processor, root).stats["cache_hit"]  # and the new build is the cache from now on
+
+
 def test_the_preview_shows_where_the_image_goes_and_what_is_learned(home, make_cfg, processor, mm_data):
     from tuneforge.data import preview
 

@@ -18,6 +18,7 @@ from tuneforge.errors import DataError
 
 CACHE_VERSION = 1  # bump when the encoding of the same inputs changes
 STATS_FILE = "stats.json"
+MEDIA_FILE = "media_files.json"  # the local media files the rows were rendered from: (path, size, mtime_ns)
 SPLITS = ("train", "eval")
 
 
@@ -58,8 +59,10 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def save_splits(splits: dict[str, Any], stats: dict[str, Any], target: Path, *, replace: bool) -> None:
-    """Write splits + stats to a temporary folder beside `target`, then rename it into place.
+def save_splits(splits: dict[str, Any], stats: dict[str, Any], target: Path, *, replace: bool,
+                media_files: list[Path] | None = None) -> None:
+    """Write splits + stats (+ the media files' manifest) to a temporary folder beside `target`, then rename it
+    into place.
 
     Without `replace`, a `target` that appeared meanwhile (another process built the same key) is kept.
     """
@@ -68,6 +71,30 @@ def save_splits(splits: dict[str, Any], stats: dict[str, Any], target: Path, *, 
     with atomic_folder(target, keep_existing=not replace) as tmp:
         datasets.DatasetDict(splits).save_to_disk(str(tmp))
         (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2, default=str), encoding="utf-8")
+        if media_files:
+            (tmp / MEDIA_FILE).write_text(json.dumps([_file_state(p) for p in media_files]), encoding="utf-8")
+
+
+def _file_state(path: Path) -> list[Any]:
+    info = path.stat()
+    return [str(path), info.st_size, info.st_mtime_ns]
+
+
+def changed_media(entry: Path) -> str | None:
+    """The first media file a cached build was rendered from that changed since (its size or modification time);
+    None when all are as they were (or the build had none). The cache key covers the data files, not every image
+    they name: this check on each hit covers those. A file that is gone is not a change: the cached rows hold
+    what it was rendered into."""
+    manifest = entry / MEDIA_FILE
+    if not manifest.is_file():
+        return None
+    for path, size, mtime in json.loads(manifest.read_text(encoding="utf-8")):
+        try:
+            if _file_state(Path(path))[1:] != [size, mtime]:
+                return path
+        except OSError:
+            continue
+    return None
 
 
 def load_splits(path: Path, *, cache_hit: bool) -> tuple[Any, Any, dict[str, Any]]:

@@ -70,6 +70,7 @@ class _Plan:
             bool(d.neat_packing) or (d.packing if d.packing is not None else spec.packs_by_default)
         )
         self.media = media.MediaSettings.from_config(cfg)
+        self.media_files: set[Path] = set()  # filled while encoding: the cache checks them on each hit
         self.key = self._key()
 
     def _check_media(self, spec: Any) -> None:
@@ -118,6 +119,22 @@ class _Plan:
     def fingerprint(self, *parts: str) -> str:
         """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer)."""
         return hashlib.sha256("/".join((self.key,) + parts).encode()).hexdigest()[:32]
+
+
+def _local_media(raw: Any, attr: DatasetAttr, settings: media.MediaSettings) -> set[Path]:
+    """The local files the rows' media columns name (URLs and embedded media have none)."""
+    columns = [c for kind in media.KINDS if (c := attr.column(media.COLUMN_OF[kind])) in raw.column_names]
+    found: set[Path] = set()
+    for column in columns:
+        for value in raw[column]:
+            for ref in value if isinstance(value, list) else [value]:
+                path = ref.get("path") if isinstance(ref, dict) and not ref.get("bytes") else ref
+                if isinstance(path, str) and not path.startswith(("http://", "https://")):
+                    file = Path(path).expanduser()
+                    file = file if file.is_absolute() else Path(settings.media_dir) / file
+                    if file.is_file():
+                        found.add(file.resolve())
+    return found
 
 
 def _sample_indices(n: int, target: int, seed: int) -> list[int]:
@@ -183,6 +200,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     }
     if plan.processor is not None:
         entry["dropped_media_cut"] = counts["media_cut"]
+        plan.media_files.update(_local_media(raw, attr, plan.media))
     # what the rows held: the RL stages' rewards read some of these columns
     stats.setdefault("dataset_columns", {})[attr.name] = raw.column_names
     if entry["bad_rows"]:
@@ -349,7 +367,11 @@ def build(cfg: Any, tokenizer: Any, processor: Any = None) -> DataSplits:
         return splits
     plan = _Plan(cfg, tokenizer, processor)
     entry = tuneforge_home() / "datasets" / plan.key
-    if (entry / cache.STATS_FILE).is_file() and not d.overwrite_cache:
+    hit = (entry / cache.STATS_FILE).is_file() and not d.overwrite_cache
+    changed = cache.changed_media(entry) if hit else None
+    if changed:
+        logger.info("tokenized data: %s changed since %s was built; tokenizing again", changed, entry)
+    if hit and not changed:
         logger.info("tokenized data: cache hit %s", entry)
         splits = _load(entry, cache_hit=True)
     else:
@@ -359,7 +381,8 @@ def build(cfg: Any, tokenizer: Any, processor: Any = None) -> DataSplits:
             plan.stage,
         )
         built, stats = _build_fresh(plan)
-        cache.save_splits(built, stats, entry, replace=d.overwrite_cache)
+        cache.save_splits(built, stats, entry, replace=d.overwrite_cache or bool(changed),
+                          media_files=sorted(plan.media_files))
         splits = _load(entry, cache_hit=False)
     if saved is not None:
         found = {k: v for k, v in (("train", splits.train), ("eval", splits.eval)) if v is not None}
