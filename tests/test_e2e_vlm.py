@@ -190,3 +190,14 @@ def test_rl_stages_sample_answers_about_images(tmp_path, vlm_dir, stage, extra):
         assert 0.0 <= results["eval_rewards/accuracy/mean"] <= 1.0
         lines = (tmp_path / "eval" / "generated_completions.jsonl").read_text().splitlines()
         assert len(lines) == 2 * 4 and json.loads(lines[0])["prompt"].count("<|image_pad|>") == 1
+
+
+def test_packing_trains_llava_and_refuses_qwen2_vl_before_tokenizing(tmp_path, vlm_dir):
+    from mm_families import build_family
+
+    llava = build_family("llava", tmp_path / "llava")
+    r = train(EXAMPLE, tmp_path / "packed", llava, *SMALL, "packing=true", "cutoff_len=1024")
+    assert "packing=True" in r.stderr and "packed_rows=" in r.stderr, r.stderr[-3000:]
+    r = train(EXAMPLE, tmp_path / "refused", vlm_dir, *SMALL, "packing=true", ok=False)
+    assert r.returncode != 0 and "3-D rope positions" in r.stderr and "set packing: false" in r.stderr
+    assert "tokenizing" not in r.stderr

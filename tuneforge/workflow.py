@@ -53,9 +53,17 @@ def prepare_data(cfg: RunConfig):
 
     processor = load_model_processor(cfg.model)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
+    media_packing = None
+    if processor is not None and (cfg.data.packing or cfg.data.neat_packing):  # can its samples share a row?
+        from tuneforge.model.load import load_config, resolve_model_path
+        from tuneforge.model.multimodal import family_media_packing
+
+        path = resolve_model_path(cfg.model)
+        media_packing = family_media_packing(load_config(path, cfg.model),
+                                             trust_remote_code=cfg.model.trust_remote_code)
     with node_leader_first() as leader:  # many processes: one per node tokenizes, the others read its cache
         splits = build(cfg if leader else replace(cfg, data=replace(cfg.data, overwrite_cache=False)), tokenizer,
-                       processor)
+                       processor, media_packing=media_packing)
     logger.info("data: %s", ", ".join(f"{k}={v}" for k, v in splits.stats.items() if not isinstance(v, dict)))
     return tokenizer, splits
 
@@ -230,7 +238,7 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
     the data build, flat (padding-free) and a shared prompt from what the loaded model runs (the model
     loader's attention module answers; without a model, batches are padded)."""
     from tuneforge.model.attention import batch_layouts
-    from tuneforge.model.multimodal import packs_media
+    from tuneforge.model.multimodal import media_packing_refusal
 
     rows = stage_of(cfg.method.stage).rows
     packed = bool(splits.stats.get("packing", False))
@@ -241,10 +249,9 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
         if not flat:
             logger.info("padding_free: %s does not use transformers' attention interface; batches are padded",
                         type(model).__name__)
-        elif media and not packs_media(model):
+        elif media and media_packing_refusal(model):
             flat = False
-            logger.info("padding_free: %s needs padded batches with its media (3-D positions, or two-way attention "
-                        "within an image)", type(model).__name__)
+            logger.info("padding_free: batches are padded with this model's media: %s", media_packing_refusal(model))
         shared = shared and not media  # a shared prompt would need its media once: not built
     return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in SHARED_PROMPT_ROWS)
 

@@ -154,3 +154,36 @@ def test_padding_free_media_batches_give_the_padded_losses_or_stay_padded(family
         reference = objective(model, padded).loss_sum
     assert objective.count(flat) == objective.count(padded)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_give_each_sample_its_own_logits_or_packing_is_refused(family, data, home):
+    from tuneforge.errors import DataError
+    from tuneforge.model.multimodal import family_media_packing
+
+    name, path, processor = family
+    root, rows = data
+    keys = {"model_name_or_path": str(path), "dataset": "mm", "dataset_dir": str(root), "cutoff_len": 4096,
+            "image_max_pixels": MAX_PIXELS, "packing": True, "finetuning_type": "full",
+            "disable_gradient_checkpointing": True}
+    cfg = from_dict(keys, for_training=False)
+    reason = family_media_packing(AutoConfig.from_pretrained(path))
+    assert (reason == "") == (name in FLAT_FAMILIES), (name, reason)
+    if reason:
+        with pytest.raises(DataError, match="packing cannot put this model's samples in one row"):
+            build(cfg, processor.tokenizer, processor, media_packing=reason)
+        return
+    packed = build(cfg, processor.tokenizer, processor, media_packing="")
+    alone = build(from_dict(dict(keys, packing=False), for_training=False), processor.tokenizer, processor)
+    assert len(packed.train) == 1 and packed.stats["packing"]  # three samples in one row of 4096
+    model = load_model(cfg).eval()
+    row = Collator(processor.tokenizer.pad_token_id, Layout(packed=True))([packed.train[0]])
+    assert "attention_mask" not in row.model_inputs
+    with torch.no_grad():
+        logits = model(**row.model_inputs, use_cache=False).logits[0]  # a cache turns off the packed mask
+        start = 0
+        for piece in sorted(range(len(alone.train)), key=lambda i: -len(alone.train[i]["input_ids"])):  # FFD order
+            sample = Collator(processor.tokenizer.pad_token_id)([alone.train[piece]])
+            own = model(**sample.model_inputs).logits[0]
+            torch.testing.assert_close(logits[start : start + own.shape[0]], own, atol=1e-5, rtol=1e-5)
+            start += own.shape[0]
+    assert start == logits.shape[0]

@@ -67,14 +67,18 @@ def stop_unless_skipping(error: Exception, attr: DatasetAttr, settings: EncodeSe
         raise bad_row_error(attr, row_index, str(error)) from None
 
 
-def row_features(packed: bool) -> Any:
-    """The column types of token rows (int32 ids and labels keep the cache small)."""
+def row_features(packed: bool, *, media: bool = False) -> Any:
+    """The column types of token rows (int32 ids and labels keep the cache small; media: mm_inputs bytes)."""
     import datasets
 
     ints = datasets.List(datasets.Value("int32"))
     cols = {"input_ids": ints, "labels": ints, "attention_mask": datasets.List(datasets.Value("int8"))}
     if packed:
         cols["position_ids"] = ints
+    if media:
+        from tuneforge.data.multimodal import MEDIA_COLUMN
+
+        cols[MEDIA_COLUMN] = datasets.Value("binary")
     return datasets.Features(cols)
 
 

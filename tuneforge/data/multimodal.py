@@ -228,6 +228,22 @@ def unpack_tensors(blob: bytes | None) -> dict[str, Any]:
     return load(blob)
 
 
+def join_blobs(blobs: list[bytes | None]) -> bytes:
+    """Several samples' stored tensors as one row's (packing: the samples back to back), joined as collate_media
+    joins a flat batch: per-token tensors concatenated, the others along their first dimension."""
+    import torch
+    from safetensors.torch import save
+
+    samples = [unpack_tensors(b) for b in blobs]
+    joined = {}
+    for key in sorted({k for sample in samples for k in sample}):
+        values = [sample[key] for sample in samples if key in sample]
+        if key.startswith(TOKEN_PREFIX) and len(values) < len(samples):
+            raise ValueError(f"per-token input {key} is missing from some samples of the row")
+        joined[key] = (torch.cat(values) if key.startswith(TOKEN_PREFIX) else _join(values)).contiguous()
+    return save(joined) if joined else b""
+
+
 def collate_media(blobs: list[bytes | None], width: int | None) -> dict[str, Any]:
     """The model inputs of a batch's media: each sample's tensors joined along their first dimension (padded with
     zeros where their other dimensions differ, as processors pad a batch); per-token tensors padded to the batch's

@@ -6,6 +6,9 @@ attends to another. The label of each piece's first token is -100: inside its ow
 precedes it, so only the previous sample's last token could "predict" it — which unpacked training
 never does. Packed loss therefore equals unpacked loss.
 
+A vision-language model's samples pack with their media (mm_inputs joined in piece order), for the families whose
+samples stay apart in one row (model.multimodal.packs_media; the workflow checks before tokenizing).
+
 pt differs from LlamaFactory here on purpose: LlamaFactory concatenates documents with attention across
 them; we give each document its own positions and attention, the same as sft packing.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from tuneforge.data.encode import IGNORE_INDEX, row_features
+from tuneforge.data.multimodal import MEDIA_COLUMN, join_blobs
 
 Piece = tuple[int, int, int]  # (sample index, start, end) in the source dataset
 
@@ -89,6 +93,9 @@ def assemble_batch(batch: dict[str, list], *, source: Any, packed: bool) -> dict
     out: dict[str, list] = {"input_ids": [], "labels": [], "attention_mask": []}
     if packed:
         out["position_ids"] = []
+    media = fetched.get(MEDIA_COLUMN)  # a vision-language model's samples: their tensors join with them
+    if media is not None:
+        out[MEDIA_COLUMN] = [join_blobs([media[where[doc]] for doc, _, _ in plan]) for plan in plans]
     for plan in plans:
         ids, labels, positions = [], [], []
         for doc, start, end in plan:
@@ -127,7 +134,7 @@ def assemble(
         num_proc=num_proc,
         fn_kwargs={"source": source, "packed": packed},
         remove_columns=["pieces"],
-        features=row_features(packed),
+        features=row_features(packed, media=MEDIA_COLUMN in source.column_names),
         new_fingerprint=fingerprint,
         load_from_cache_file=False,
         desc="packing" if packed else "chunking",

@@ -37,10 +37,11 @@ class DataSplits:
 class _Plan:
     """Everything one build depends on, resolved from the config and the tokenizer."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, processor: Any = None) -> None:
+    def __init__(self, cfg: Any, tokenizer: Any, processor: Any = None, media_packing: str | None = None) -> None:
         d = cfg.data
         self.cfg, self.tokenizer, self.stage = cfg, tokenizer, cfg.method.stage
         self.processor = processor  # a vision- / audio-language model's processor, None for a text model
+        self.media_packing = media_packing  # why this model's media samples cannot share a row, "" when they can
         self.train_attrs = registry.get_dataset_attrs(d.dataset, d.dataset_dir)
         self.eval_attrs = registry.get_dataset_attrs(d.eval_dataset, d.dataset_dir)
         if not self.train_attrs and not self.eval_attrs:
@@ -69,6 +70,9 @@ class _Plan:
         self.packing = spec.can_pack and (
             bool(d.neat_packing) or (d.packing if d.packing is not None else spec.packs_by_default)
         )
+        if self.packing and processor is not None and self.media_packing != "":
+            raise DataError(f"packing cannot put this model's samples in one row with their media: "
+                            f"{self.media_packing or 'the model was not checked'}; set packing: false")
         self.media = media.MediaSettings.from_config(cfg)
         self.media_files: set[Path] = set()  # filled while encoding: the cache checks them on each hit
         self.key = self._key()
@@ -83,8 +87,6 @@ class _Plan:
         if not self.encoder.media:
             raise DataError(f"stage {self.stage} does not train vision- or audio-language models yet "
                             f"(its {spec.encoder} encoder renders text only); use stage sft")
-        if self.cfg.data.packing:
-            raise DataError("packing multimodal samples is not supported yet; set packing: false")
 
     def _key(self) -> str:
         d, t = self.cfg.data, self.cfg.train
@@ -354,10 +356,12 @@ def _load(path: Path, *, cache_hit: bool) -> DataSplits:
     return DataSplits(train=train, eval=evaluation, stats=stats)
 
 
-def build(cfg: Any, tokenizer: Any, processor: Any = None) -> DataSplits:
+def build(cfg: Any, tokenizer: Any, processor: Any = None, *, media_packing: str | None = None) -> DataSplits:
     """Tokenized train / eval splits for cfg (a RunConfig), from the cache when nothing changed.
 
-    processor: a vision- / audio-language model's processor (model.processor.load_processor), None for text."""
+    processor: a vision- / audio-language model's processor (model.processor.load_processor), None for text.
+    media_packing: with a processor and packing, "" when the model's samples stay apart in one row with their
+    media (model.multimodal.media_packing_refusal), else why not."""
     d = cfg.data
     saved = Path(d.tokenized_path) if d.tokenized_path else None
     if saved is not None and saved.exists() and not d.overwrite_cache and not cache.is_empty_folder(saved):
@@ -365,7 +369,7 @@ def build(cfg: Any, tokenizer: Any, processor: Any = None) -> DataSplits:
         splits = _load(saved, cache_hit=True)
         splits.processor = processor
         return splits
-    plan = _Plan(cfg, tokenizer, processor)
+    plan = _Plan(cfg, tokenizer, processor, media_packing)
     entry = tuneforge_home() / "datasets" / plan.key
     hit = (entry / cache.STATS_FILE).is_file() and not d.overwrite_cache
     changed = cache.changed_media(entry) if hit else None
@@ -472,7 +476,7 @@ def preview(cfg: Any, tokenizer: Any, n: int = 3, processor: Any = None) -> list
     A ranking sample shows its chosen and its rejected rendering; a kto sample its tag and rendering; an image
     shows as its run of media tokens with their count (<|image_pad|>×64).
     """
-    plan = _Plan(cfg, tokenizer, processor)
+    plan = _Plan(cfg, tokenizer, processor, media_packing="")  # samples before packing
     out: list[str] = []
     for attr in plan.train_attrs + plan.eval_attrs:
         out += _preview_texts(plan, attr, n - len(out))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from torch import nn
 
@@ -91,3 +92,26 @@ def packs_media(model: nn.Module) -> bool:
         return False
     parameters = inspect.signature(base.forward).parameters
     return not ({"token_type_ids", "mm_token_type_ids"} & set(parameters))
+
+
+def media_packing_refusal(model: nn.Module) -> str:
+    """Why a multimodal model's samples cannot share a row (packing, padding-free) with their media; "" when they
+    can (packs_media)."""
+    if packs_media(model):
+        return ""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    if hasattr(getattr(base, "model", base), "get_rope_index") or hasattr(base, "get_rope_index"):
+        return f"{name} places media with 3-D rope positions, computed per sample (get_rope_index)"
+    return f"{name} attends both ways within an image (token_type_ids), across samples in one row"
+
+
+def family_media_packing(config: Any, *, trust_remote_code: bool = False) -> str:
+    """media_packing_refusal for the model a config describes, from its structure alone (built on the meta
+    device: no weights, no memory)."""
+    import torch
+    from transformers import AutoModelForMultimodalLM
+
+    with torch.device("meta"):
+        model = AutoModelForMultimodalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return media_packing_refusal(model)
