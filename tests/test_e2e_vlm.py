@@ -192,12 +192,13 @@ def test_rl_stages_sample_answers_about_images(tmp_path, vlm_dir, stage, extra):
         assert len(lines) == 2 * 4 and json.loads(lines[0])["prompt"].count("<|image_pad|>") == 1
 
 
-def test_packing_trains_llava_and_refuses_qwen2_vl_before_tokenizing(tmp_path, vlm_dir):
+def test_packing_trains_qwen2_vl_and_llava_and_refuses_gemma3_before_tokenizing(tmp_path, vlm_dir):
     from mm_families import build_family
 
-    llava = build_family("llava", tmp_path / "llava")
-    r = train(EXAMPLE, tmp_path / "packed", llava, *SMALL, "packing=true", "cutoff_len=1024")
-    assert "packing=True" in r.stderr and "packed_rows=" in r.stderr, r.stderr[-3000:]
-    r = train(EXAMPLE, tmp_path / "refused", vlm_dir, *SMALL, "packing=true", ok=False)
-    assert r.returncode != 0 and "3-D rope positions" in r.stderr and "set packing: false" in r.stderr
+    for name, model_dir in (("qwen2_vl", vlm_dir), ("llava", build_family("llava", tmp_path / "llava"))):
+        r = train(EXAMPLE, tmp_path / name, model_dir, *SMALL, "packing=true", "cutoff_len=1024")
+        assert "packing=True" in r.stderr and "batches are padded" not in r.stderr, (name, r.stderr[-3000:])
+    gemma3 = build_family("gemma3", tmp_path / "gemma3")
+    r = train(EXAMPLE, tmp_path / "refused", gemma3, *SMALL, "packing=true", ok=False)
+    assert r.returncode != 0 and "attends both ways within an image" in r.stderr and "set packing: false" in r.stderr
     assert "tokenizing" not in r.stderr

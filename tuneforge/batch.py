@@ -3,6 +3,8 @@
 A collated micro-batch is a `Batch`:
 - `model_inputs`: exactly what the model's forward takes (input_ids, attention_mask or position_ids, the
   padding-free boundaries cu_seq_lens_q / ..., shared_prefix, and later pixel_values, image_grid_thw, ...).
+  position_ids is (rows, seq), or for a 3-D rope model's flat / packed media rows (4, rows, seq): the text
+  positions, then the model's own three rope rows (`text_positions` reads the first either way).
   Objectives pass it through untouched: nothing filters it by a list of names.
 - `targets`: what the objective reads beside the model (labels, sequence_ids / sequence_ends,
   target_positions / target_ids / target_sequences, kto_tags, ref_logps, and later rewards or advantages).
@@ -81,3 +83,10 @@ def sample_seed(*parts: Any) -> int:
     same parts give the same seed, different parts unrelated ones."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def text_positions(model_inputs: dict[str, Any]) -> Any:
+    """The (rows, seq) text positions of a batch: position_ids, or their first row in the 4-row form of a 3-D rope
+    model's packed media rows."""
+    positions = model_inputs["position_ids"]
+    return positions[0] if positions.dim() == 3 else positions

@@ -162,6 +162,7 @@ def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
 def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.model import load_model
+    from tuneforge.model.multimodal import rope_positions
     from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
@@ -182,7 +183,8 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     before = ask_model(cfg, model, tokenizer, ask, splits.processor) if ask else None
     if stage.value_head:
         model = ValueHeadModel(model, critic=stage.critic)
-    collator = Collator(tokenizer.pad_token_id, layout)
+    # a 3-D rope model's flat and packed media rows get its own positions per sample
+    collator = Collator(tokenizer.pad_token_id, layout, rope=rope_positions(model) if splits.processor else None)
     strategy = build_strategy(cfg, model)  # local / DDP, FSDP2 or DeepSpeed (nothing wrapped yet)
     train_rows, eval_rows, reference = splits.train, splits.eval, None
     if uses_reference(cfg) and cfg.method.precompute_ref_log_probs:
@@ -238,7 +240,7 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
     the data build, flat (padding-free) and a shared prompt from what the loaded model runs (the model
     loader's attention module answers; without a model, batches are padded)."""
     from tuneforge.model.attention import batch_layouts
-    from tuneforge.model.multimodal import media_packing_refusal
+    from tuneforge.model.multimodal import media_packing_refusal, rope_index
 
     rows = stage_of(cfg.method.stage).rows
     packed = bool(splits.stats.get("packing", False))
@@ -252,6 +254,10 @@ def batch_layout(cfg: RunConfig, splits, model=None) -> Layout:
         elif media and media_packing_refusal(model):
             flat = False
             logger.info("padding_free: batches are padded with this model's media: %s", media_packing_refusal(model))
+        elif media and rows == "prompt" and rope_index(model) is not None:
+            flat = False  # sampled sequences are collated by the rollouts, which place no 3-D rope positions
+            logger.info("padding_free: %s's sampled answers about media are padded (3-D rope positions)",
+                        type(model).__name__)
         shared = shared and not media  # a shared prompt would need its media once: not built
     return Layout(rows=rows, flat=flat, packed=packed, shared_prefix=flat and shared and rows in SHARED_PROMPT_ROWS)
 

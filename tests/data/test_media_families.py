@@ -20,6 +20,7 @@ from tuneforge.data.encode import IGNORE_INDEX
 from tuneforge.data.media import MediaSettings, load_image
 from tuneforge.data.multimodal import message_parts
 from tuneforge.model import load_model
+from tuneforge.model.multimodal import rope_positions
 from tuneforge.model.processor import load_processor
 from tuneforge.train.objectives.lm import LMObjective
 
@@ -128,7 +129,8 @@ def test_audio_rows_match_transformers(home, tmp_path, lf_data_dir):
     assert torch.allclose(ours, theirs, atol=1e-4)
 
 
-FLAT_FAMILIES = ("llava", "llava_next", "smolvlm")  # 1-D positions, causal attention over the image tokens
+# causal attention over the image tokens: 1-D positions, or 3-D rope ones placed per sample (Gemma 3: two-way)
+FLAT_FAMILIES = ("llava", "llava_next", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def test_padding_free_media_batches_give_the_padded_losses_or_stay_padded(family, data, home):
@@ -142,11 +144,11 @@ def test_padding_free_media_batches_give_the_padded_losses_or_stay_padded(family
     splits = build(cfg, processor.tokenizer, processor)
     model = load_model(cfg).eval()
     layout = batch_layout(cfg, splits, model)
-    assert layout.flat == (name in FLAT_FAMILIES), name  # the others: 3-D rope, or two-way attention in an image
+    assert layout.flat == (name in FLAT_FAMILIES), name  # Gemma 3: two-way attention within an image
     if not layout.flat:
         return
     rows_ = [splits.train[i] for i in range(len(splits.train))]
-    flat = Collator(processor.tokenizer.pad_token_id, layout)(rows_)
+    flat = Collator(processor.tokenizer.pad_token_id, layout, rope=rope_positions(model))(rows_)
     padded = Collator(processor.tokenizer.pad_token_id, Layout())(rows_)
     objective = LMObjective()
     with torch.no_grad():
@@ -176,7 +178,7 @@ def test_packed_rows_give_each_sample_its_own_logits_or_packing_is_refused(famil
     alone = build(from_dict(dict(keys, packing=False), for_training=False), processor.tokenizer, processor)
     assert len(packed.train) == 1 and packed.stats["packing"]  # three samples in one row of 4096
     model = load_model(cfg).eval()
-    row = Collator(processor.tokenizer.pad_token_id, Layout(packed=True))([packed.train[0]])
+    row = Collator(processor.tokenizer.pad_token_id, Layout(packed=True), rope=rope_positions(model))([packed.train[0]])
     assert "attention_mask" not in row.model_inputs
     with torch.no_grad():
         logits = model(**row.model_inputs, use_cache=False).logits[0]  # a cache turns off the packed mask

@@ -27,6 +27,7 @@ sampled answers to one prompt go the same way (Collator.groups, shared_prompt_gr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from tuneforge.batch import Batch, Layout
 from tuneforge.data.encode import IGNORE_INDEX
 from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
 from tuneforge.data.encode_prompt import row_columns
-from tuneforge.data.multimodal import MEDIA_COLUMN, collate_media
+from tuneforge.data.multimodal import MEDIA_COLUMN, collate_media, unpack_tensors
 
 # the column prefixes of the sequences one row holds, per row kind of the layout
 ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), "prompt": ("",), **SEQUENCE_PREFIXES}
@@ -44,6 +45,7 @@ ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), "prompt": ("",), **S
 ROW_TARGETS: dict[str, dict[str, str]] = {"feedback": {"kto_tag": "kto_tags"}}
 
 Columns = tuple[dict[str, Any], dict[str, Any]]  # (model_inputs, targets)
+RopePositions = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]  # (input_ids (n,), row tensors) -> (3, n)
 
 
 def count_tokens(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> int:
@@ -59,13 +61,17 @@ def count_tokens(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> int:
 
 
 class Collator:
-    def __init__(self, pad_token_id: int, layout: Layout | None = None, pad_to_multiple_of: int | None = None) -> None:
-        """layout: the row kind, flat (padding-free), packed and shared-prefix, decided by the workflow."""
+    def __init__(self, pad_token_id: int, layout: Layout | None = None, pad_to_multiple_of: int | None = None,
+                 rope: RopePositions | None = None) -> None:
+        """layout: the row kind, flat (padding-free), packed and shared-prefix, decided by the workflow. rope: a
+        model's own 3-D rope placement of one row (model.multimodal.rope_positions), for its flat and packed
+        media rows."""
         if pad_token_id is None:
             raise ValueError("Collator needs a pad_token_id (the tokenizer's pad or eos token)")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.layout = layout or Layout()
+        self.rope = rope
 
     def _width(self, rows: list[dict[str, Any]]) -> int:
         width = max(len(r["input_ids"]) for r in rows)
@@ -98,6 +104,9 @@ class Collator:
             model_inputs, targets = flatten(rows, self.layout.packed)
             if any(media):  # the samples' media in row order (the model allows a flat layout: batch_layout)
                 model_inputs.update(collate_media(media, None))
+                if self.rope is not None:  # text positions first: transformers builds the packed mask from them
+                    placed = torch.cat(rope_rows(self.rope, rows, media, self.layout.packed), dim=1)
+                    model_inputs["position_ids"] = torch.cat([model_inputs["position_ids"], placed])[:, None]
             return model_inputs, targets
         width = self._width(rows)
         packed = self.layout.packed
@@ -118,6 +127,12 @@ class Collator:
             model_inputs["attention_mask"] = torch.tensor(masks, dtype=torch.long)
         if any(media):  # the processor's tensors: pixel values, grid sizes, per-token types
             model_inputs.update(collate_media(media, width))
+            if packed and self.rope is not None:  # padding keeps its own run of positions in all four rows
+                text = model_inputs["position_ids"]
+                placed = text[None].repeat(3, 1, 1)
+                for i, rope in enumerate(rope_rows(self.rope, rows, media, packed)):
+                    placed[:, i, : rope.shape[1]] = rope
+                model_inputs["position_ids"] = torch.cat([text[None], placed])
         return model_inputs, {"labels": torch.tensor(labels, dtype=torch.long)}
 
     def _preference(self, rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> Columns:
@@ -161,6 +176,26 @@ class Collator:
         width = model_inputs["input_ids"].shape[1]
         targets["sequence_ids"], targets["sequence_ends"] = sequence_layout(lengths, width, self.layout.flat)
         return model_inputs, targets
+
+
+def rope_rows(rope: RopePositions, rows: list[dict[str, Any]], media: list[bytes | None],
+              packed: bool) -> list[torch.Tensor]:
+    """Each row's 3-D rope positions (3, n): the model's own placement of the whole row, each packed piece then
+    moved to start at 0 (all three rows of a piece are offset by the same start, so each piece gets exactly
+    the positions it would get alone). A row without media: its 1-D positions, three times."""
+    out = []
+    for row, blob in zip(rows, media, strict=True):
+        text = own_positions(row) if packed else list(range(len(row["input_ids"])))
+        tensors = unpack_tensors(blob)
+        if not tensors:
+            out.append(torch.tensor(text, dtype=torch.long).expand(3, -1))
+            continue
+        placed = rope(torch.tensor(row["input_ids"], dtype=torch.long), tensors).clone()
+        starts = [i for i, p in enumerate(text) if p == 0] + [len(text)]
+        for a, b in itertools.pairwise(starts):
+            placed[:, a:b] -= placed[:, a : a + 1].clone()
+        out.append(placed)
+    return out
 
 
 def own_positions(row: dict[str, Any]) -> list[int]:

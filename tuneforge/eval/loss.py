@@ -48,6 +48,7 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
 
     from tuneforge.data.collate import Collator
     from tuneforge.model.inference import load_inference_model
+    from tuneforge.model.multimodal import rope_positions
     from tuneforge.workflow import batch_layout, prepare_data
 
     d = cfg.data
@@ -66,7 +67,8 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
         raise DataError(f"{cfg.source}: no evaluation rows; check eval_dataset / dataset and max_samples")
     logger.info("loss on %s: %d rows", which, len(rows))
     model = load_inference_model(cfg, value_head=False)
-    collator = Collator(tokenizer.pad_token_id, batch_layout(cfg, splits))  # padded, packed as the data is
+    collator = Collator(tokenizer.pad_token_id, batch_layout(cfg, splits),  # padded, packed as the data is
+                        rope=rope_positions(model) if splits.processor is not None else None)
     started = time.perf_counter()
     loss_sum, units = token_loss(model, rows, collator, cfg.train.per_device_eval_batch_size)
     runtime = time.perf_counter() - started

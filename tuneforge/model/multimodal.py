@@ -79,19 +79,56 @@ def adapted_paths(model: nn.Module, linear_paths: list[str], *, tower: bool, pro
     return [p for p in linear_paths if any(p.startswith(root + ".") for root in roots)]
 
 
+def _inner(model: nn.Module) -> nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "model", base)
+
+
+def rope_index(model: nn.Module) -> Any | None:
+    """The model's own 3-D rope placement (Qwen2-VL's get_rope_index and its kin), or None for a model with 1-D
+    positions."""
+    inner = _inner(model)
+    if hasattr(inner, "get_rope_index"):
+        return inner.get_rope_index
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "get_rope_index", None)
+
+
 def packs_media(model: nn.Module) -> bool:
-    """Whether a multimodal model's samples stay apart in a flattened (padding-free) batch with its media: its
-    language model takes 1-D positions (no 3-D rope: no get_rope_index) and causal attention over the media tokens
-    (its forward takes no token_type_ids / mm_token_type_ids, with which Gemma 3 attends within an image both
-    ways and the Qwen-VL families place their rope)."""
+    """Whether a multimodal model's samples stay apart in a flattened (padding-free) batch with its media: causal
+    attention over the media tokens (its forward takes no token_type_ids, with which Gemma 3 attends within an
+    image both ways), and 1-D positions or 3-D rope ones the collator can place per sample (rope_positions:
+    transformers' Qwen-VL families read packed rows' text positions beside them)."""
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(base, "model", base)
-    if hasattr(inner, "get_rope_index") or hasattr(base, "get_rope_index"):
+    parameters = set(inspect.signature(base.forward).parameters)
+    if "token_type_ids" in parameters:
         return False
-    parameters = inspect.signature(base.forward).parameters
-    return not ({"token_type_ids", "mm_token_type_ids"} & set(parameters))
+    return rope_index(model) is not None or "mm_token_type_ids" not in parameters
+
+
+def rope_positions(model: nn.Module) -> Any | None:
+    """For a model with 3-D rope positions: a function (input_ids (n,), the row's stored media tensors) -> its
+    positions (3, n), from the model's own get_rope_index on that row alone; None for 1-D positions."""
+    import inspect
+
+    index = rope_index(model)
+    if index is None:
+        return None
+    accepted = set(inspect.signature(index).parameters)
+
+    def positions(input_ids: Any, tensors: dict[str, Any]) -> Any:
+        import torch
+
+        kwargs = {k: v for k, v in tensors.items() if k in accepted and not k.startswith("token:")}
+        kwargs.update({k[len("token:"):]: v[None] for k, v in tensors.items()
+                       if k.startswith("token:") and k[len("token:"):] in accepted})
+        with torch.no_grad():
+            placed, _ = index(input_ids=input_ids[None], **kwargs)
+        return placed[:, 0]
+
+    return positions
 
 
 def media_packing_refusal(model: nn.Module) -> str:
@@ -100,10 +137,7 @@ def media_packing_refusal(model: nn.Module) -> str:
     if packs_media(model):
         return ""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = type(base).__name__
-    if hasattr(getattr(base, "model", base), "get_rope_index") or hasattr(base, "get_rope_index"):
-        return f"{name} places media with 3-D rope positions, computed per sample (get_rope_index)"
-    return f"{name} attends both ways within an image (token_type_ids), across samples in one row"
+    return f"{type(base).__name__} attends both ways within an image (token_type_ids), across samples in one row"
 
 
 def family_media_packing(config: Any, *, trust_remote_code: bool = False) -> str:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tuneforge.batch import Batch
+from tuneforge.batch import Batch, text_positions
 from tuneforge.trunk import trunk
 
 IGNORE_INDEX = -100
@@ -47,7 +47,7 @@ def supervised_positions(batch: Batch) -> torch.Tensor:
     labels = batch.targets["labels"]
     next_supervised = labels[:, 1:] != IGNORE_INDEX
     if batch.layout.samples_share_rows:
-        next_supervised = next_supervised & (batch.model_inputs["position_ids"][:, 1:] != 0)
+        next_supervised = next_supervised & (text_positions(batch.model_inputs)[:, 1:] != 0)
     return F.pad(next_supervised, (0, 1), value=False)
 
 
