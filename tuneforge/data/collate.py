@@ -37,7 +37,7 @@ from tuneforge.batch import Batch, Layout
 from tuneforge.data.encode import IGNORE_INDEX
 from tuneforge.data.encode_pref import REF_LOGP_COLUMNS, SEQUENCE_PREFIXES
 from tuneforge.data.encode_prompt import row_columns
-from tuneforge.data.multimodal import MEDIA_COLUMN, collate_media, unpack_tensors
+from tuneforge.data.multimodal import MEDIA_COLUMN, collate_media, generate_inputs
 
 # the column prefixes of the sequences one row holds, per row kind of the layout
 ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), "prompt": ("",), **SEQUENCE_PREFIXES}
@@ -45,7 +45,7 @@ ROW_PREFIXES: dict[str, tuple[str, ...]] = {"plain": ("",), "prompt": ("",), **S
 ROW_TARGETS: dict[str, dict[str, str]] = {"feedback": {"kto_tag": "kto_tags"}}
 
 Columns = tuple[dict[str, Any], dict[str, Any]]  # (model_inputs, targets)
-RopePositions = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]  # (input_ids (n,), row tensors) -> (3, n)
+RopePositions = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]  # (input_ids (1, n), media inputs) -> (3, n)
 
 
 def count_tokens(rows: list[dict[str, Any]], prefixes: tuple[str, ...]) -> int:
@@ -186,11 +186,11 @@ def rope_rows(rope: RopePositions, rows: list[dict[str, Any]], media: list[bytes
     out = []
     for row, blob in zip(rows, media, strict=True):
         text = own_positions(row) if packed else list(range(len(row["input_ids"])))
-        tensors = unpack_tensors(blob)
-        if not tensors:
+        inputs = generate_inputs(blob)
+        if not inputs:
             out.append(torch.tensor(text, dtype=torch.long).expand(3, -1))
             continue
-        placed = rope(torch.tensor(row["input_ids"], dtype=torch.long), tensors).clone()
+        placed = rope(torch.tensor([row["input_ids"]], dtype=torch.long), inputs).clone()
         starts = [i for i, p in enumerate(text) if p == 0] + [len(text)]
         for a, b in itertools.pairwise(starts):
             placed[:, a:b] -= placed[:, a : a + 1].clone()

@@ -148,7 +148,8 @@ def stored_tensors(out: Any, width: int) -> dict[str, Any]:
 
 
 def generate_inputs(blob: bytes | None) -> dict[str, Any]:
-    """A stored sample's tensors (mm_inputs) as prompt_inputs gives them for generate: per-token ones (1, n)."""
+    """A stored sample's tensors (mm_inputs) as the model takes them for one row (prompt_inputs gives them so for
+    generate): per-token ones (1, n)."""
     return {(k[len(TOKEN_PREFIX):] if k.startswith(TOKEN_PREFIX) else k): (v[None] if k.startswith(TOKEN_PREFIX) else v)
             for k, v in unpack_tensors(blob).items()}
 

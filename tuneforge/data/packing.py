@@ -7,7 +7,7 @@ precedes it, so only the previous sample's last token could "predict" it — whi
 never does. Packed loss therefore equals unpacked loss.
 
 A vision-language model's samples pack with their media (mm_inputs joined in piece order), for the families whose
-samples stay apart in one row (model.multimodal.packs_media; the workflow checks before tokenizing).
+samples stay apart in one row (model.multimodal.media_packing_refusal; the workflow asks before tokenizing).
 
 pt differs from LlamaFactory here on purpose: LlamaFactory concatenates documents with attention across
 them; we give each document its own positions and attention, the same as sft packing.

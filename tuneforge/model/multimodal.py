@@ -79,38 +79,36 @@ def adapted_paths(model: nn.Module, linear_paths: list[str], *, tower: bool, pro
     return [p for p in linear_paths if any(p.startswith(root + ".") for root in roots)]
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, "model", base)
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def rope_index(model: nn.Module) -> Any | None:
     """The model's own 3-D rope placement (Qwen2-VL's get_rope_index and its kin), or None for a model with 1-D
     positions."""
-    inner = _inner(model)
-    if hasattr(inner, "get_rope_index"):
-        return inner.get_rope_index
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, "get_rope_index", None)
+    base = _base(model)
+    return getattr(getattr(base, "model", base), "get_rope_index", None) or getattr(base, "get_rope_index", None)
 
 
-def packs_media(model: nn.Module) -> bool:
-    """Whether a multimodal model's samples stay apart in a flattened (padding-free) batch with its media: causal
-    attention over the media tokens (its forward takes no token_type_ids, with which Gemma 3 attends within an
-    image both ways), and 1-D positions or 3-D rope ones the collator can place per sample (rope_positions:
-    transformers' Qwen-VL families read packed rows' text positions beside them)."""
+def media_packing_refusal(model: nn.Module) -> str:
+    """Why a multimodal model's samples cannot share a row (padding-free, packing) with their media; "" when they
+    can: causal attention over the media tokens, and 1-D positions or 3-D rope ones the collator places per
+    sample (rope_positions; transformers' Qwen-VL families read a packed row's text positions beside them)."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     parameters = set(inspect.signature(base.forward).parameters)
     if "token_type_ids" in parameters:
-        return False
-    return rope_index(model) is not None or "mm_token_type_ids" not in parameters
+        return f"{type(base).__name__} attends both ways within an image (token_type_ids), across samples in one row"
+    if "mm_token_type_ids" in parameters and rope_index(model) is None:
+        return f"{type(base).__name__} reads per-token media types (mm_token_type_ids) without a rope placement"
+    return ""
 
 
 def rope_positions(model: nn.Module) -> Any | None:
-    """For a model with 3-D rope positions: a function (input_ids (n,), the row's stored media tensors) -> its
-    positions (3, n), from the model's own get_rope_index on that row alone; None for 1-D positions."""
+    """For a model with 3-D rope positions: a function (input_ids (1, n), the row's media inputs as the model takes
+    them) -> the row's positions (3, n), from the model's own get_rope_index on that row alone; None for 1-D
+    positions."""
     import inspect
 
     index = rope_index(model)
@@ -118,26 +116,14 @@ def rope_positions(model: nn.Module) -> Any | None:
         return None
     accepted = set(inspect.signature(index).parameters)
 
-    def positions(input_ids: Any, tensors: dict[str, Any]) -> Any:
+    def positions(input_ids: Any, inputs: dict[str, Any]) -> Any:
         import torch
 
-        kwargs = {k: v for k, v in tensors.items() if k in accepted and not k.startswith("token:")}
-        kwargs.update({k[len("token:"):]: v[None] for k, v in tensors.items()
-                       if k.startswith("token:") and k[len("token:"):] in accepted})
         with torch.no_grad():
-            placed, _ = index(input_ids=input_ids[None], **kwargs)
+            placed, _ = index(input_ids=input_ids, **{k: v for k, v in inputs.items() if k in accepted})
         return placed[:, 0]
 
     return positions
-
-
-def media_packing_refusal(model: nn.Module) -> str:
-    """Why a multimodal model's samples cannot share a row (packing, padding-free) with their media; "" when they
-    can (packs_media)."""
-    if packs_media(model):
-        return ""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return f"{type(base).__name__} attends both ways within an image (token_type_ids), across samples in one row"
 
 
 def family_media_packing(config: Any, *, trust_remote_code: bool = False) -> str:
