@@ -11,7 +11,7 @@ from tuneforge import __version__
 from tuneforge.errors import TuneforgeError
 
 USAGE = """\
-tuneforge train CONFIG [key=value ...]        train (pt, sft) as CONFIG (YAML or JSON) says
+tuneforge train CONFIG [key=value ...]        train any stage as CONFIG (YAML or JSON) says
 tuneforge preprocess CONFIG [key=value ...]   tokenize and cache the data only (saves tokenized_path if set)
 tuneforge chat CONFIG [key=value ...]         chat with the model (and adapter) in the terminal
 tuneforge api CONFIG [key=value ...]          serve it behind an OpenAI-compatible API (API_HOST, API_PORT, API_KEY)
