@@ -189,8 +189,9 @@ def completion_generator(cfg: RunConfig, tokenizer: Any, processor: Any = None) 
     configured ones (max_new_tokens=..., do_sample=False, num_return_sequences=G: G completions per prompt,
     one after the other), `seeds`: one seed per completion, each sampled from its own generator
     (SeededSampling), so a completion does not depend on the prompts it is batched with, and `media`: each
-    prompt's stored media tensors (mm_inputs) for a vision-language model. Returns the completions only (no prompt, no padding), each up to and including the
-    stop token that ended it (absent when it ran to max_new_tokens). In a run of several processes it generates
+    prompt's stored media tensors (mm_inputs) for a vision-language model. Returns the completions only (no
+    prompt, no padding), each up to and including the stop token that ended it (absent when it ran to
+    max_new_tokens). In a run of several processes it generates
     with synced_gpus (every rank keeps taking forwards until all have finished), so every rank must call it the
     same number of times, as the trainer's prepare calls are."""
     stops = end_of_turn(tokenizer, chat_template(cfg, processor or tokenizer), processor)
