@@ -11,8 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 
+def unwrapped(model: Any) -> Any:
+    """The transformers model inside a peft model (the model itself when it is not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def trunk(model: Any) -> Any:
     """model: a transformers causal / multimodal LM, or a peft model around one."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     inner = getattr(base, "base_model", None)
     return inner if inner is not None and inner is not base else base.get_decoder()

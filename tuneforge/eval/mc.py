@@ -26,6 +26,7 @@ import torch
 from tuneforge.errors import ModelError
 from tuneforge.eval.batches import left_padded_batches
 from tuneforge.eval.benchmark import CHOICES, Benchmark, Question, load_benchmark
+from tuneforge.trunk import unwrapped
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def letter_ids(tokenizer: Any) -> list[int]:
 def _keeps_last_logits(model: torch.nn.Module) -> bool:
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tuneforge.trunk import unwrapped
+
 PACKED_SDPA = "tuneforge_packed_sdpa"
 SHARED_PREFIX = "shared_prefix"  # (groups, 2 + answers) long: start, prompt length, each answer's length (0: none)
 # the keywords of a padding-free batch that the model forwards down to its attention
@@ -88,7 +90,7 @@ def describe(implementation: str) -> str:
 def supports_padding_free(model: torch.nn.Module) -> bool:
     """True when the model routes attention through transformers' attention interface (which forwards
     position ids and cu_seq_lens to the kernel), so a flattened batch keeps its samples apart."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     return bool(getattr(base, "_supports_attention_backend", False))
 
 

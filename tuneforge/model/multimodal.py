@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from tuneforge.model.processor import is_multimodal
+from tuneforge.trunk import unwrapped
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +80,10 @@ def adapted_paths(model: nn.Module, linear_paths: list[str], *, tower: bool, pro
     return [p for p in linear_paths if any(p.startswith(root + ".") for root in roots)]
 
 
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def rope_index(model: nn.Module) -> Any | None:
     """The model's own 3-D rope placement (Qwen2-VL's get_rope_index and its kin), or None for a model with 1-D
     positions."""
-    base = _base(model)
+    base = unwrapped(model)
     return getattr(getattr(base, "model", base), "get_rope_index", None) or getattr(base, "get_rope_index", None)
 
 
@@ -96,7 +93,7 @@ def media_packing_refusal(model: nn.Module) -> str:
     sample (rope_positions; transformers' Qwen-VL families read a packed row's text positions beside them)."""
     import inspect
 
-    base = _base(model)
+    base = unwrapped(model)
     parameters = set(inspect.signature(base.forward).parameters)
     if "token_type_ids" in parameters:
         return f"{type(base).__name__} attends both ways within an image (token_type_ids), across samples in one row"

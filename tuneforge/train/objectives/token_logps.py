@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneforge.batch import Batch, text_positions
-from tuneforge.trunk import trunk
+from tuneforge.trunk import trunk, unwrapped
 
 IGNORE_INDEX = -100
 # elements of one fp32 logits chunk: 2**25 floats = 128 MiB, ~680 tokens of a 49k vocabulary
@@ -85,7 +85,7 @@ def partitioned_head(model: torch.nn.Module) -> bool:
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
