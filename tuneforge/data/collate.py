@@ -130,8 +130,8 @@ class Collator:
             if packed and self.rope is not None:  # padding keeps its own run of positions in all four rows
                 text = model_inputs["position_ids"]
                 placed = text[None].repeat(3, 1, 1)
-                for i, rope in enumerate(rope_rows(self.rope, rows, media, packed)):
-                    placed[:, i, : rope.shape[1]] = rope
+                for i, row_positions in enumerate(rope_rows(self.rope, rows, media, packed)):
+                    placed[:, i, : row_positions.shape[1]] = row_positions
                 model_inputs["position_ids"] = torch.cat([text[None], placed])
         return model_inputs, {"labels": torch.tensor(labels, dtype=torch.long)}
 

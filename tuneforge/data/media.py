@@ -3,13 +3,13 @@ the model's processor sees it.
 
 A row names its media in its `images` / `videos` / `audios` columns (LlamaFactory's layout): paths relative to
 `media_dir` (default: dataset_dir), absolute paths, http(s) URLs, or media already decoded by `datasets`
-(an Image feature in parquet / arrow: a PIL image, or {"bytes": ..., "path": ...}).
+(an Image feature in parquet / arrow: a PIL image, or {"bytes": ..., "path": ...}). The messages mark where each
+one goes with a placeholder (`<image>`, `<video>`, `<audio>`; LlamaFactory's IMAGE_PLACEHOLDER, ... environment
+variables rename them), in order.
 
 A video is decoded only at the frames it keeps: the model's own video processor picks them (its sample_frames at
 video_fps, at most video_maxlen frames), so a family's rules (Qwen2-VL's even frame counts, its minimum of four)
-hold; the processor is then told not to sample again. The messages mark where each
-one goes with a placeholder (`<image>`, `<video>`, `<audio>`; LlamaFactory's IMAGE_PLACEHOLDER, ... environment
-variables rename them), in order.
+hold; the processor is then told not to sample again.
 
 A file that is missing or cannot be decoded is a BadRow naming the file: the encoder adds the dataset and row.
 """
@@ -86,10 +86,22 @@ def _describe(ref: Any) -> str:
     return str(ref) if isinstance(ref, (str, os.PathLike)) else f"a {type(ref).__name__}"
 
 
-def _local_path(ref: str, settings: MediaSettings, kind: str) -> Path:
+def _resolved(ref: str, settings: MediaSettings) -> Path:
     path = Path(ref).expanduser()
-    if not path.is_absolute():
-        path = Path(settings.media_dir) / path
+    return path if path.is_absolute() else Path(settings.media_dir) / path
+
+
+def local_file(ref: Any, settings: MediaSettings) -> Path | None:
+    """The local file a media reference names, resolved; None for a URL, an embedded medium or a missing file."""
+    path = ref.get("path") if isinstance(ref, dict) and not ref.get("bytes") else ref
+    if not isinstance(path, (str, os.PathLike)) or _is_url(path):
+        return None
+    file = _resolved(str(path), settings)
+    return file.resolve() if file.is_file() else None
+
+
+def _local_path(ref: str, settings: MediaSettings, kind: str) -> Path:
+    path = _resolved(ref, settings)
     if not path.is_file():
         raise BadRow(f"{kind} file {ref} does not exist (looked for {path}; relative paths start at media_dir, "
                      f"default dataset_dir)")

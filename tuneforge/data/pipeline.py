@@ -126,17 +126,9 @@ class _Plan:
 def _local_media(raw: Any, attr: DatasetAttr, settings: media.MediaSettings) -> set[Path]:
     """The local files the rows' media columns name (URLs and embedded media have none)."""
     columns = [c for kind in media.KINDS if (c := attr.column(media.COLUMN_OF[kind])) in raw.column_names]
-    found: set[Path] = set()
-    for column in columns:
-        for value in raw[column]:
-            for ref in value if isinstance(value, list) else [value]:
-                path = ref.get("path") if isinstance(ref, dict) and not ref.get("bytes") else ref
-                if isinstance(path, str) and not path.startswith(("http://", "https://")):
-                    file = Path(path).expanduser()
-                    file = file if file.is_absolute() else Path(settings.media_dir) / file
-                    if file.is_file():
-                        found.add(file.resolve())
-    return found
+    values = (value for column in columns for value in raw[column])
+    refs = (ref for value in values for ref in (value if isinstance(value, list) else [value]))
+    return {file for ref in refs if (file := media.local_file(ref, settings)) is not None}
 
 
 def _sample_indices(n: int, target: int, seed: int) -> list[int]:
