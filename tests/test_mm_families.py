@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForMultimodalLM
 
 from tuneforge.model.processor import load_processor
 
+pytestmark = pytest.mark.vision
 DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "llamafactory" / "mllm_demo_data"
 SAMPLING_RATE = 16000
 

@@ -24,6 +24,7 @@ from tuneforge.model.multimodal import rope_positions
 from tuneforge.model.processor import load_processor
 from tuneforge.train.objectives.lm import LMObjective
 
+pytestmark = pytest.mark.vision
 IMAGE_FAMILIES = [name for name in FAMILIES if name != "qwen2_audio"]  # audio: not read yet
 MAX_PIXELS = 112 * 112
 

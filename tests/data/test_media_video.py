@@ -3,7 +3,7 @@ each frame scaled as LlamaFactory scales it, then tokenized by the processor exa
 __call__ would, and trained on with the model's own loss.
 
 The decoding tests need PyAV (tuneforge[video]); the family tests need transformers' video processors, i.e. a
-torchvision that loads beside torch (not the CPU wheel here: they run where CUDA torch and torchvision are)."""
+torchvision that loads beside torch (not the CPU-only torch wheel: scripts/test.sh runs them in .venv-vision)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from transformers.video_utils import default_sample_indices_fn
 from tuneforge.data.formats import BadRow
 from tuneforge.data.media import MediaSettings, load_video, video_decoder
 
+pytestmark = pytest.mark.vision
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
@@ -100,6 +101,26 @@ def video_data(tmp_path, lf_data_dir):
     info = json.loads((lf_data_dir / "dataset_info.json").read_text())
     (root / "dataset_info.json").write_text(json.dumps({"mllm_video_demo": info["mllm_video_demo"]}))
     return root, rows
+
+
+@pytest.mark.skipif(video_processors_load(), reason="torchvision loads here: videos are read")
+def test_without_torchvision_videos_stop_before_tokenizing_saying_what_to_install(video_data, tmp_path, home):
+    from mm_families import build_family
+    from transformers import AutoConfig
+
+    from tuneforge.config import from_dict
+    from tuneforge.data import build
+    from tuneforge.errors import DataError
+    from tuneforge.model.processor import load_processor
+
+    path = build_family("qwen2_vl", tmp_path / "qwen2_vl")
+    processor = load_processor(path, AutoConfig.from_pretrained(path))
+    assert getattr(processor, "video_processor", None) is None
+    root, _ = video_data
+    cfg = from_dict({"model_name_or_path": str(path), "dataset": "mllm_video_demo", "dataset_dir": str(root)},
+                    for_training=False)
+    with pytest.raises(DataError, match=r"mllm_video_demo.*holds videos.*torchvision.*setup.sh --vision"):
+        build(cfg, processor.tokenizer, processor)
 
 
 @needs_video_processor

@@ -290,8 +290,9 @@ def check_media(processor: Any, kinds: set[str], where: str) -> None:
     missing = kinds - supported_media(processor)
     if "video" in missing and media_token(processor, "video") and getattr(processor, "video_processor", None) is None:
         raise DataError(f"{where} holds videos; {type(processor).__name__}'s video processor needs torchvision, "
-                        f"which this install cannot load (pip install torchvision matching your torch, e.g. the "
-                        f"CPU build from download.pytorch.org/whl/cpu)")
+                        f"which this install cannot load: install torch and torchvision as a pair that loads "
+                        f"together, both from one index (e.g. download.pytorch.org/whl/cpu), or on PyPI torch 2.14.1 "
+                        f"with torchvision 0.29.1, as a tuneforge checkout's scripts/setup.sh --vision does")
     if missing:
         raise DataError(f"{where} holds {', '.join(sorted(missing))}, which {type(processor).__name__} cannot read; "
                         f"it reads {', '.join(sorted(supported_media(processor))) or 'no media'}")
