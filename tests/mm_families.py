@@ -47,6 +47,12 @@ from a public GitHub file that embeds the hub model's template verbatim:
   renders transformers' hub-checkpoint test (tests/models/qwen2_audio/test_processing_qwen2_audio.py,
   test_chat_template).
 
+- qwen2_5_omni (Qwen/Qwen2.5-Omni-7B): huggingface/transformers tests/models/qwen2_5_omni/test_processor_qwen2_5_omni.py
+  (prepare_processor_dict, the template given with Qwen/Qwen2.5-Omni-7B's processor); the same text is quoted as
+  that model family's template in public model cards and processors built on it (e.g. AVoCaDO-Captioner's card,
+  with the same special-token ids as Qwen2.5-Omni-7B's added_tokens.json). Not checked against the hub file itself.
+  The processor needs its video processor (torchvision) for videos; without one, images and audio still work.
+
 No family of Idefics3-8B-Llama3 (HuggingFaceM4/Idefics3-8B-Llama3): its hub chat template was not found in any stored
 public file, so it is left out rather than guessed; the Idefics3 architecture is covered by SmolVLM-256M-Instruct, an
 Idefics3 checkpoint.
@@ -78,6 +84,7 @@ class _Parts:
     config: Any
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
     video_processor: dict[str, Any] | None = None  # video_preprocessor_config.json, for the families with videos
+    audio_extractor: Any = None  # a feature extractor beside the image processor (omni models)
 
 
 def chat_template(name: str) -> str:
@@ -314,6 +321,40 @@ def _qwen2_audio() -> _Parts:
     return _Parts(tokenizer, feature_extractor, "Qwen2AudioProcessor", config)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen2.5-Omni: a thinker (Qwen2.5-VL's vision tower, a Whisper-style audio tower, a Qwen2 text model) that writes
+# text, and a talker that speaks it (not built: enable_audio_output false, as tuneforge loads it). A video heard
+# with its sound (use_audio_in_video) interleaves 2-second chunks of frames and audio inside one span.
+
+OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+               "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+               "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+def _qwen2_5_omni() -> _Parts:
+    from transformers import Qwen2_5OmniConfig, WhisperFeatureExtractor
+
+    tokenizer = _tokenizer(named=OMNI_TOKENS, extra=("<|endoftext|>", "<|vision_pad|>"))
+    ids = _ids(tokenizer, audio_token_index="<|AUDIO|>", image_token_index="<|IMAGE|>",
+               video_token_index="<|VIDEO|>", audio_start_token_id="<|audio_bos|>", audio_end_token_id="<|audio_eos|>",
+               vision_start_token_id="<|vision_bos|>", vision_end_token_id="<|vision_eos|>")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[1], tokens_per_second=2)
+    # Qwen2.5-Omni-7B: 32 layers of width 1280 over 128 mel bins, pooled into 3584-wide text embeddings
+    audio = dict(num_mel_bins=128, d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                 max_source_positions=1500, output_dim=TEXT["hidden_size"], n_window=100)
+    thinker = dict(text_config=_qwen2_text(tokenizer), vision_config=vision, audio_config=audio,
+                   position_id_per_seconds=25, seconds_per_chunk=2, **ids)
+    talker = dict(vocab_size=len(tokenizer), **{key: ids["vision_start_token_id"] for key in (
+        "tts_text_start_token_id", "tts_text_end_token_id", "tts_text_pad_token_id")})
+    config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=False)
+    feature_extractor = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, chunk_length=30,
+                                                return_attention_mask=True)
+    return _Parts(tokenizer, _qwen2_image_processor(), "Qwen2_5OmniProcessor", config, audio_extractor=feature_extractor,
+                  video_processor=dict(QWEN2_VIDEO, processor_class="Qwen2_5OmniProcessor"))
+
+
 _BUILDERS: dict[str, Callable[[], _Parts]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
@@ -323,8 +364,11 @@ _BUILDERS: dict[str, Callable[[], _Parts]] = {
     "gemma3": _gemma3,
     "smolvlm": _smolvlm,
     "qwen2_audio": _qwen2_audio,
+    "qwen2_5_omni": _qwen2_5_omni,
 }
-FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+# the families of the shared family tests; the omni model has its own (tests/data/test_media_omni.py): its
+# processor needs torchvision even for images
+FAMILIES: tuple[str, ...] = tuple(name for name in _BUILDERS if name != "qwen2_5_omni")
 
 
 def shape_prompts(root: Path) -> list[dict]:
@@ -362,12 +406,12 @@ NO_VIDEO_REASON = ("transformers' video processors need torchvision (and PyAV or
 
 
 def build_family(name: str, out_dir: Path) -> Path:
-    """Write a tiny random `name` model (one of FAMILIES) as a Hugging Face folder at out_dir; return it."""
+    """Write a tiny random `name` model (one of FAMILIES, or qwen2_5_omni) as a Hugging Face folder at out_dir."""
     import torch
     from transformers import AutoModelForMultimodalLM
 
     if name not in _BUILDERS:
-        raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {name!r}; known: {', '.join(_BUILDERS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts = _BUILDERS[name]()
@@ -376,6 +420,9 @@ def build_family(name: str, out_dir: Path) -> Path:
     parts.tokenizer.chat_template = template
     parts.tokenizer.save_pretrained(out)
     parts.preprocessor.save_pretrained(out)
+    if parts.audio_extractor is not None:  # one preprocessor_config.json holds both, as the omni hub folders ship it
+        both = {**parts.audio_extractor.to_dict(), **json.loads((out / "preprocessor_config.json").read_text())}
+        (out / "preprocessor_config.json").write_text(json.dumps(both, indent=2, sort_keys=True) + "\n")
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     if parts.video_processor is not None:
         (out / "video_preprocessor_config.json").write_text(
@@ -391,4 +438,6 @@ def build_family(name: str, out_dir: Path) -> Path:
             if param.dim() >= 2 and not param.any():
                 param.normal_(std=0.02)
     model.save_pretrained(out)
+    if hasattr(model, "load_speakers"):  # an omni model's voices, which its from_pretrained reads (none here)
+        torch.save({}, out / "spk_dict.pt")
     return out

@@ -12,7 +12,7 @@ from peft import PeftModel
 from PIL import Image
 from safetensors.torch import load_file
 from test_distributed import train
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM, AutoProcessor
 
 from tuneforge.model.processor import load_processor
 
@@ -167,6 +167,31 @@ def test_a_vlm_trains_on_llamafactorys_video_demo_and_two_processes_agree(tmp_pa
     assert "train_samples=6" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
     train(EXAMPLE, two, vlm_dir, *video[:1], "per_device_train_batch_size=2", *video[2:], processes=2)
     assert_same_weights(one, two)
+
+
+@pytest.mark.vision
+def test_an_omni_model_hears_llamafactorys_video_audio_demo_and_exports_its_thinker(tmp_path, lf_data_dir):
+    import subprocess
+    import sys
+
+    from mm_families import NO_VIDEO_REASON, build_family, video_processors_load
+
+    if not video_processors_load():
+        pytest.skip(NO_VIDEO_REASON)
+    omni = build_family("qwen2_5_omni", tmp_path / "omni")
+    out = tmp_path / "out"
+    r = train(EXAMPLE, out, omni, *SMALL, "dataset=mllm_video_audio_demo", "eval_dataset=null",
+              f"dataset_dir={lf_data_dir}", "use_audio_in_video=true", "video_max_pixels=12544", "video_fps=1.0",
+              "cutoff_len=2048")
+    assert "train_samples=3" in r.stderr and "its thinker" in r.stderr, r.stderr[-3000:]
+    merged = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "tuneforge.cli", "export", EXAMPLE, f"model_name_or_path={omni}",
+                        f"adapter_name_or_path={out}", f"export_dir={merged}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and "ollama create" not in r.stdout, r.stderr[-3000:]  # no Modelfile written
+    model, processor = AutoModelForMultimodalLM.from_pretrained(merged), AutoProcessor.from_pretrained(merged)
+    assert type(model).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen2_5OmniProcessor"
 
 
 @pytest.mark.parametrize("stage, extra", [("grpo", ["num_generations=2"]), ("ppo", ["ppo_epochs=1"])])

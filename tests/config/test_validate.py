@@ -29,7 +29,6 @@ def cfg(tmp_path, **kw):
         ({"audio_sampling_rate": 0}, "audio_sampling_rate must be > 0"),
         ({"video_max_pixels": 100, "video_min_pixels": 200}, "video_min_pixels must be > 0 and at most video_max"),
         ({"video_maxlen": 0}, "video_maxlen at least 1"),
-        ({"use_audio_in_video": True}, "use_audio_in_video: true needs an omni model"),
         ({"lora_dropout": 1.0}, r"lora_dropout must be in \[0, 1\)"),
         ({"finetuning_type": "full", "quantization_bit": 4}, "quantization_bit 4 needs finetuning_type lora"),
         ({"finetuning_type": "freeze", "quantization_bit": 8}, "needs finetuning_type lora or oft"),

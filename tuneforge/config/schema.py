@@ -61,7 +61,8 @@ class ModelArgs:
     video_fps: float = opt(2.0, help="frames sampled per second of video")
     video_maxlen: int = opt(128, help="at most this many frames per video")
     audio_sampling_rate: int = opt(16000, help="audio is resampled to this rate")
-    use_audio_in_video: bool = opt(False, help="omni models: also hear the audio track of each video")
+    use_audio_in_video: bool = opt(False, help="omni models (Qwen2.5-Omni): hear each video with its sound (the row's audios, one per video, "
+                                    "else the video's own audio track), interleaved with its frames")
 
 
 @dataclass

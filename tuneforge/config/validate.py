@@ -93,9 +93,6 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if m.video_fps <= 0 or m.video_maxlen < 1:
         fail(f"video_fps must be > 0 and video_maxlen at least 1 (got {m.video_fps} and {m.video_maxlen})",
              key=("video_fps", "video_maxlen"))
-    if m.use_audio_in_video:
-        fail("use_audio_in_video: true needs an omni model (Qwen2.5-Omni), which tuneforge does not train yet; "
-             "set it to false (videos are then seen without their sound)", key="use_audio_in_video")
     _check_preference(cfg, fail)
     check_rl(cfg, fail)
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it

@@ -16,9 +16,11 @@ A file that is missing or cannot be decoded is a BadRow naming the file: the enc
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from tuneforge.data.formats import BadRow
 from tuneforge.errors import DataError
 
 KINDS = ("image", "video", "audio")
+SOUND = "video_sound"  # use_audio_in_video: what each video is heard with (multimodal.video_sound)
 COLUMN_OF = {"image": "images", "video": "videos", "audio": "audios"}
 DEFAULT_PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 
@@ -50,6 +53,7 @@ class MediaSettings:
     video_fps: float = 2.0
     video_maxlen: int = 128
     audio_sampling_rate: int = 16000
+    use_audio_in_video: bool = False  # omni models: each video is heard with its sound
 
     @classmethod
     def from_config(cls, cfg: Any) -> MediaSettings:
@@ -58,7 +62,7 @@ class MediaSettings:
                    image_min_pixels=m.image_min_pixels, image_do_pan_and_scan=m.image_do_pan_and_scan,
                    crop_to_patches=m.crop_to_patches, video_max_pixels=m.video_max_pixels,
                    video_min_pixels=m.video_min_pixels, video_fps=m.video_fps, video_maxlen=m.video_maxlen,
-                   audio_sampling_rate=m.audio_sampling_rate)
+                   audio_sampling_rate=m.audio_sampling_rate, use_audio_in_video=m.use_audio_in_video)
 
     def processor_kwargs(self) -> dict[str, Any]:
         """The image options the user turned on, as the processors name them."""
@@ -182,13 +186,27 @@ def frame_sampler(video_processor: Any, settings: MediaSettings) -> Any:
     return sample
 
 
+@contextlib.contextmanager
+def _video_file(ref: Any, settings: MediaSettings) -> Iterator[str]:
+    """A video reference as a local file name (bytes and URLs written to a temporary file: decoders read files)."""
+    import tempfile
+
+    if isinstance(ref, dict) and ref.get("bytes") or _is_url(ref):
+        with tempfile.NamedTemporaryFile(suffix=".video") as held:
+            held.write(_fetched(ref) if _is_url(ref) else ref["bytes"])
+            held.flush()
+            yield held.name
+        return
+    path = ref.get("path") if isinstance(ref, dict) else ref
+    if not isinstance(path, (str, os.PathLike)):
+        raise BadRow(f"a video must be a path or a URL, got {type(ref).__name__}")
+    yield str(_local_path(str(path), settings, "video"))
+
+
 def load_video(ref: Any, settings: MediaSettings, processor: Any) -> tuple[Any, Any]:
     """One video as (frames, metadata): its sampled frames (T, H, W, 3 uint8, each scaled into
     [video_min_pixels, video_max_pixels]) and transformers' VideoMetadata (fps, frames_indices: Qwen3-VL writes
     the frames' timestamps from them)."""
-    import contextlib
-    import tempfile
-
     import numpy as np
     from PIL import Image
     from transformers.video_utils import VIDEO_DECODERS as DECODE
@@ -197,17 +215,7 @@ def load_video(ref: Any, settings: MediaSettings, processor: Any) -> tuple[Any, 
     if backend is None:
         raise DataError("reading videos needs PyAV: pip install 'tuneforge[video]'")
     try:
-        with contextlib.ExitStack() as stack:
-            if isinstance(ref, dict) and ref.get("bytes") or _is_url(ref):
-                held = stack.enter_context(tempfile.NamedTemporaryFile(suffix=".video"))  # decoders read files
-                held.write(_fetched(ref) if _is_url(ref) else ref["bytes"])
-                held.flush()
-                source = held.name
-            else:
-                path = ref.get("path") if isinstance(ref, dict) else ref
-                if not isinstance(path, (str, os.PathLike)):
-                    raise BadRow(f"a video must be a path or a URL, got {type(ref).__name__}")
-                source = str(_local_path(str(path), settings, "video"))
+        with _video_file(ref, settings) as source:
             frames, metadata = DECODE[backend](source, frame_sampler(processor.video_processor, settings))
     except (BadRow, DataError):
         raise
@@ -218,6 +226,30 @@ def load_video(ref: Any, settings: MediaSettings, processor: Any) -> tuple[Any, 
     scaled = [np.asarray(_scaled(Image.fromarray(frame), settings.video_min_pixels, settings.video_max_pixels))
               for frame in frames]
     return np.stack(scaled), metadata
+
+
+def load_soundtrack(ref: Any, settings: MediaSettings) -> Any:
+    """A video's own audio track as load_audio gives a clip (PyAV decodes and resamples it to mono float32)."""
+    import numpy as np
+
+    try:
+        import av
+    except ImportError:
+        raise DataError("hearing a video's audio track needs PyAV: pip install 'tuneforge[video]'") from None
+    try:
+        with _video_file(ref, settings) as source, av.open(source) as container:
+            if not container.streams.audio:
+                raise BadRow(f"video {_describe(ref)} has no audio track to hear (use_audio_in_video); give its "
+                             f"sound in the row's audios column, one per video, or set use_audio_in_video: false")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=settings.audio_sampling_rate)
+            chunks = [out.to_ndarray().reshape(-1) for frame in container.decode(audio=0)
+                      for out in resampler.resample(frame)]
+            chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    except (BadRow, DataError):
+        raise
+    except Exception as e:  # a broken container or stream
+        raise BadRow(f"the audio track of video {_describe(ref)} cannot be read: {e}") from None
+    return np.ascontiguousarray(np.concatenate(chunks) if chunks else np.zeros(0), dtype=np.float32)
 
 
 def load_audio(ref: Any, settings: MediaSettings) -> Any:
@@ -258,9 +290,12 @@ def load_audio(ref: Any, settings: MediaSettings) -> Any:
 
 
 def load_media(media: dict[str, list[Any]], settings: MediaSettings, processor: Any) -> dict[str, list[Any]]:
-    """kind -> the decoded media, ready for the processor (videos as (frames, metadata) pairs)."""
+    """kind -> the decoded media, ready for the processor (videos as (frames, metadata) pairs; SOUND: each video's
+    sound, a clip of the row's audios or {"track": video} for the video's own audio track)."""
     loaders = {"image": load_image, "audio": load_audio,
-               "video": lambda ref, s: load_video(ref, s, processor)}
+               "video": lambda ref, s: load_video(ref, s, processor),
+               SOUND: lambda ref, s: load_soundtrack(ref["track"], s) if isinstance(ref, dict) and "track" in ref
+               else load_audio(ref, s)}
     return {kind: [loaders[kind](ref, settings) for ref in refs] for kind, refs in media.items()}
 
 
@@ -280,13 +315,17 @@ def supported_media(processor: Any) -> set[str]:
             if media_token(processor, kind) and any(getattr(processor, s, None) is not None for s in slots[kind])}
 
 
-def check_media(processor: Any, kinds: set[str], where: str) -> None:
+def check_media(processor: Any, kinds: set[str], where: str, hears_videos: bool = False) -> None:
     """Stop before tokenizing when the data holds media this model cannot read."""
     if not kinds:
         return
     if processor is None:
         raise DataError(f"{where} holds {', '.join(sorted(kinds))}, but the model is text-only; use a vision- or "
                         f"audio-language model (e.g. Qwen2-VL) or a text-only dataset")
+    if "video" in kinds and hears_videos and not hears_video_sound(processor):
+        raise DataError(f"{where} holds videos and use_audio_in_video is true, but {type(processor).__name__} cannot "
+                        f"hear a video's sound (an omni model's processor can: Qwen2.5-Omni); set "
+                        f"use_audio_in_video: false to see the videos without their sound")
     missing = kinds - supported_media(processor)
     if "video" in missing and media_token(processor, "video") and getattr(processor, "video_processor", None) is None:
         raise DataError(f"{where} holds videos; {type(processor).__name__}'s video processor needs torchvision, "
@@ -298,3 +337,10 @@ def check_media(processor: Any, kinds: set[str], where: str) -> None:
                         f"it reads {', '.join(sorted(supported_media(processor))) or 'no media'}")
     if "video" in kinds and video_decoder() is None:
         raise DataError(f"{where} holds videos; decoding them needs PyAV: pip install 'tuneforge[video]'")
+
+
+def hears_video_sound(processor: Any) -> bool:
+    """Whether the processor interleaves a video's sound with its frames (transformers' omni processors)."""
+    from transformers.processing_utils import OmniModalProcessorMixin
+
+    return isinstance(processor, OmniModalProcessorMixin) and supported_media(processor) >= {"video", "audio"}

@@ -14,7 +14,7 @@ ids. The collator joins them (`collate_media`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tuneforge.data import media, template
@@ -55,6 +55,29 @@ def place_media(conv: Conversation, marks: dict[str, str]) -> None:
             raise BadRow(f"the messages hold {found} {marks[kind]} placeholder(s) but the row's "
                          f"{media.COLUMN_OF[kind]} column lists {given} file(s); give one {marks[kind]} per file, "
                          f"where it belongs in the text")
+
+
+def video_sound(conv: Conversation, marks: dict[str, str]) -> Conversation:
+    """use_audio_in_video: the conversation with each video paired with its sound, which the processor interleaves
+    with the video's frames. In LlamaFactory's layout the sound is the row's audios, one per video
+    (`<video><audio>`): their placeholders are dropped, the video's span holds them. A row with videos and no
+    audios hears each video's own audio track."""
+    videos, audios = conv.media.get("video", []), conv.media.get("audio", [])
+    if not videos:
+        return conv
+    if audios and len(audios) != len(videos):
+        raise BadRow(f"with use_audio_in_video each video is heard with one audio of the row: it lists "
+                     f"{len(videos)} video(s) and {len(audios)} audio(s); give one audio per video, or none (each "
+                     f"video's own audio track is then heard)")
+    mark = marks["audio"]
+    found = sum(m["content"].count(mark) for m in conv.messages) + (conv.system or "").count(mark)
+    if found not in (0, len(audios)):
+        raise BadRow(f"the messages hold {found} {mark} placeholder(s) but the row's audios column lists "
+                     f"{len(audios)} file(s) (with use_audio_in_video, each is its video's sound)")
+    messages = [dict(m, content=m["content"].replace(mark, "")) for m in conv.messages]
+    sound = list(audios) or [{"track": video} for video in videos]
+    return replace(conv, system=conv.system.replace(mark, "") if conv.system else conv.system, messages=messages,
+                   media={**conv.media, "audio": [], media.SOUND: sound})
 
 
 def chat_messages(conv: Conversation) -> list[dict[str, Any]]:
@@ -111,6 +134,11 @@ def process(processor: Any, text: str, loaded: dict[str, list[Any]], settings: m
                       video_metadata=[metadata for _, metadata in loaded["video"]], do_sample_frames=False)
     if loaded.get("audio"):
         kwargs.update(audio=loaded["audio"], sampling_rate=settings.audio_sampling_rate)
+    if loaded.get(media.SOUND):  # each video's sound after the standalone clips, mapped to its video
+        alone = loaded.get("audio", [])
+        kwargs.update(audio=[*alone, *loaded[media.SOUND]], sampling_rate=settings.audio_sampling_rate,
+                      load_audio_from_video=True,
+                      audio_from_video_indices=[None] * len(alone) + list(range(len(loaded[media.SOUND]))))
     try:
         return processor(text=[text], add_special_tokens=False, return_tensors="pt", return_offsets_mapping=True,
                          return_text_replacement_offsets=True, **kwargs)
@@ -121,6 +149,8 @@ def process(processor: Any, text: str, loaded: dict[str, list[Any]], settings: m
 def render_sample(processor: Any, chat: template.ChatTemplate, conv: Conversation,
                   settings: media.MediaSettings) -> MediaSample:
     """Render, expand and tokenize one conversation with its media (BadRow for a broken row or file)."""
+    if settings.use_audio_in_video:
+        conv = video_sound(conv, media.placeholders())
     place_media(conv, media.placeholders())
     text, char_spans = template.render(processor, chat, conv, messages=chat_messages(conv))
     out = process(processor, text, media.load_media(conv.media, settings, processor), settings)
@@ -158,6 +188,8 @@ def prompt_inputs(processor: Any, conv: Conversation, settings: media.MediaSetti
                   tools: list[dict[str, Any]] | None = None) -> tuple[list[int], dict[str, Any]]:
     """A conversation up to the assistant's next turn (generation prompt included) with its media: the token ids
     and the processor's tensors for model.generate (chat, api). BadRow for a broken file or placeholder count."""
+    if settings.use_audio_in_video:
+        conv = video_sound(conv, media.placeholders())
     place_media(conv, media.placeholders())
     try:
         text = processor.apply_chat_template(chat_messages(conv), tools=tools, tokenize=False,

@@ -81,7 +81,7 @@ class _Plan:
         """Media in the data need a model that reads them and an encoder that renders them; before tokenizing."""
         for attr in self.train_attrs + self.eval_attrs:
             kinds = {kind for kind in media.KINDS if attr.column(media.COLUMN_OF[kind])}
-            media.check_media(self.processor, kinds, f"dataset '{attr.name}'")
+            media.check_media(self.processor, kinds, f"dataset '{attr.name}'", self.cfg.model.use_audio_in_video)
         if self.processor is None:
             return
         if not self.encoder.media:

@@ -184,5 +184,7 @@ def _summary(cfg: RunConfig, sources: list[Path], result: dict, notes: list[str]
         lines.append(f"model saved in {result['export_dir']} ({kind}, {len(result['weights'])} weight file(s))")
     if "value_head" in result:
         lines.append(f"value head: {result['value_head']}")
-    lines.append(f"Ollama: ollama create NAME -f {Path(result['export_dir']) / 'Modelfile'}")
+    modelfile_path = Path(result["export_dir"]) / "Modelfile"
+    if modelfile_path.is_file():  # a vision- / audio-language model's export writes none
+        lines.append(f"Ollama: ollama create NAME -f {modelfile_path}")
     return lines + notes

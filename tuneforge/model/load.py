@@ -13,6 +13,7 @@ from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, load_adapter, upcast_trainable_params
 from tuneforge.model.hub import resolve, resolve_adapter
+from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.processor import is_multimodal, load_processor
 
 if TYPE_CHECKING:
@@ -224,19 +225,28 @@ def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.
                   device_map={"": str(device)}, use_kernels=model_args.use_kernels)
     if quant is not None:
         kwargs["quantization_config"] = quant
+    if is_multimodal(config):
+        kwargs["config"] = omni_without_talker(config)
     try:
         try:
-            return auto.from_pretrained(path, attn_implementation=attn, **kwargs)
+            model = auto.from_pretrained(path, attn_implementation=attn, **kwargs)
         except ValueError as e:
             if model_args.flash_attn != "auto" or "sdpa" not in str(e).lower():
                 raise
             logger.warning("%s does not support sdpa attention; using eager", path)
-            return auto.from_pretrained(path, attn_implementation="eager", **kwargs)
+            model = auto.from_pretrained(path, attn_implementation="eager", **kwargs)
     except ImportError as e:
         raise ModelError(f"cannot load {path} with attention '{attn}': {e}. Set flash_attn: sdpa "
                          f"or install the missing package") from None
     except (ValueError, OSError) as e:
         raise ModelError(_explain_load_error(path, e)) from None
+    writer = text_writer(model)
+    if writer is not model:
+        logger.info("%s: an omni model; its thinker (%s) is trained and run, its speech side is not loaded", path,
+                    type(writer).__name__)
+    if model_args.use_audio_in_video:
+        hear_videos(writer)
+    return writer
 
 
 def _explain_load_error(path: Path, error: Exception) -> str:

@@ -4,7 +4,9 @@ and the projector between them, found from transformers' own structure rather th
 The language model is `model.get_decoder()` (transformers' multimodal models return their text model there);
 everything else that holds weights, except the embeddings and the head, is the media side: a module on it whose
 name says it projects into the language model (projector, merger, connector, aligner) is the projector, the rest
-is the tower. LlamaFactory's keys choose what trains:
+is the tower. An omni model (thinker + talker: Qwen2.5-Omni) writes its text with its thinker, the only part with a
+training forward: tuneforge loads the thinker alone (`text_writer`) and trains, runs and saves it.
+LlamaFactory's keys choose what trains:
 - full / freeze: freeze_vision_tower (default true), freeze_multi_modal_projector (true), freeze_language_model;
 - lora / oft: `all` adapts the language model's linear layers, and the tower's / projector's when the user
   unfreezes them (freeze_vision_tower / freeze_multi_modal_projector: false).
@@ -87,6 +89,41 @@ def rope_index(model: nn.Module) -> Any | None:
     return getattr(getattr(base, "model", base), "get_rope_index", None) or getattr(base, "get_rope_index", None)
 
 
+def omni_without_talker(config: Any) -> Any:
+    """An omni model's config set to build no talker (its speech side), which tuneforge neither trains nor runs."""
+    if getattr(config, "thinker_config", None) is not None and getattr(config, "enable_audio_output", False):
+        config.enable_audio_output = False
+    return config
+
+
+def text_writer(model: nn.Module) -> nn.Module:
+    """The part of a loaded model that writes text: an omni model's thinker (its whole model has no training
+    forward), else the model itself."""
+    thinker = getattr(model, "thinker", None)
+    return thinker if isinstance(thinker, nn.Module) and getattr(model.config, "thinker_config", None) else model
+
+
+def hear_videos(model: nn.Module) -> None:
+    """use_audio_in_video: the processor interleaved each video's sound with its frames, so the model's rope
+    placement (its only reader of the flag) is told so on every call: training, generate and the collator's."""
+    import functools
+    import inspect
+
+    for module in model.modules():
+        index = getattr(module, "get_rope_index", None)
+        if index is None or "use_audio_in_video" not in inspect.signature(index).parameters:
+            continue
+        signature = inspect.signature(index)
+
+        @functools.wraps(index)
+        def with_sound(*args: Any, _index: Any = index, _signature: Any = signature, **kwargs: Any) -> Any:
+            bound = _signature.bind(*args, **kwargs)
+            bound.arguments["use_audio_in_video"] = True
+            return _index(*bound.args, **bound.kwargs)
+
+        module.get_rope_index = with_sound
+
+
 def media_packing_refusal(model: nn.Module) -> str:
     """Why a multimodal model's samples cannot share a row (padding-free, packing) with their media; "" when they
     can: causal attention over the media tokens, and 1-D positions or 3-D rope ones the collator places per
@@ -99,6 +136,11 @@ def media_packing_refusal(model: nn.Module) -> str:
         return f"{type(base).__name__} attends both ways within an image (token_type_ids), across samples in one row"
     if "mm_token_type_ids" in parameters and rope_index(model) is None:
         return f"{type(base).__name__} reads per-token media types (mm_token_type_ids) without a rope placement"
+    index = rope_index(model)
+    derived = set(inspect.signature(index).parameters) - parameters if index is not None else set()
+    if derived:  # e.g. Qwen2.5-Omni's audio_seqlens: the model derives them from its inputs itself
+        return (f"{type(base).__name__}'s rope placement reads {', '.join(sorted(derived))}, which the model "
+                f"derives from a whole batch, not per sample")
     return ""
 
 
@@ -130,5 +172,5 @@ def family_media_packing(config: Any, *, trust_remote_code: bool = False) -> str
     from transformers import AutoModelForMultimodalLM
 
     with torch.device("meta"):
-        model = AutoModelForMultimodalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return media_packing_refusal(model)
+        model = AutoModelForMultimodalLM.from_config(omni_without_talker(config), trust_remote_code=trust_remote_code)
+    return media_packing_refusal(text_writer(model))

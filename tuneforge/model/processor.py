@@ -98,7 +98,13 @@ def load_processor(path: Path, config: Any, *, trust_remote_code: bool = False) 
         cls = _processor_class(path, trust_remote_code)
         if VIDEO_SLOT not in cls.get_attributes():
             raise ModelError(f"cannot load the processor of {path}: {e}") from None
-        processor = _without_video(cls, _video_settings(path)).from_pretrained(path, trust_remote_code=trust_remote_code)
+        try:
+            processor = _without_video(cls, _video_settings(path)).from_pretrained(path,
+                                                                                  trust_remote_code=trust_remote_code)
+        except TypeError:  # a processor that hands its slots on by position (Qwen2.5-Omni) cannot leave one out
+            raise ModelError(f"{cls.__name__} cannot be built without its video processor, which needs torchvision "
+                             f"({e}); install torch and torchvision as a pair that loads together (a tuneforge "
+                             f"checkout's scripts/setup.sh --vision)") from None
         logger.info("%s: torchvision is not available, so the processor has no video processor (images and "
                     "audio work; videos need torchvision)", path)
     except (OSError, ValueError) as e:
