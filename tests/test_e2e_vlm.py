@@ -23,6 +23,11 @@ SMALL = ["image_max_pixels=12544", "per_device_train_batch_size=4", "gradient_ac
          "cutoff_len=512"]
 
 
+def demo_rows(lf_data_dir, name):
+    """How many rows a LlamaFactory demo file holds (the shared copy's count, not a number written here)."""
+    return len(json.loads((lf_data_dir / f"{name}.json").read_text()))
+
+
 def weights(out):
     return load_file(out / "adapter_model.safetensors")
 
@@ -130,7 +135,8 @@ def test_an_audio_language_model_trains_on_llamafactorys_audio_demo(tmp_path, lf
     out = tmp_path / "audio"
     r = train(EXAMPLE, out, model_dir, *SMALL, "dataset=mllm_audio_demo", "eval_dataset=null",
               f"dataset_dir={lf_data_dir}", "max_steps=2")
-    assert "train_samples=6" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
+    rows = demo_rows(lf_data_dir, "mllm_audio_demo")
+    assert f"train_samples={rows}," in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
     config = json.loads((out / "adapter_config.json").read_text())
     assert all(t.startswith("model.language_model.") for t in config["target_modules"])
 
@@ -157,14 +163,15 @@ def test_a_vlm_trains_on_llamafactorys_video_demo_and_two_processes_agree(tmp_pa
 
     if not video_processors_load():
         pytest.skip(NO_VIDEO_REASON)
-    # the demo's 3 rows twice: 6 split evenly over 2 processes (an odd count is padded by repeating rows, as
-    # torch's DistributedSampler does, so it would not train what one process does); with AdamW's default epsilon
+    # the demo's rows twice: an even count splits evenly over 2 processes (an odd one is padded by repeating rows,
+    # as torch's DistributedSampler does, so it would not train what one process does); with AdamW's default epsilon
     # a weight whose gradient is near 1e-8 turns summation-order rounding into a 5e-5 step difference
     video = [*SMALL, "dataset=mllm_video_demo,mllm_video_demo", "eval_dataset=null", f"dataset_dir={lf_data_dir}",
              "video_max_pixels=12544", "video_fps=1.0", "cutoff_len=2048", "adam_epsilon=1e-6"]
     one, two = tmp_path / "one", tmp_path / "two"
     r = train(EXAMPLE, one, vlm_dir, *video)
-    assert "train_samples=6" in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
+    rows = 2 * demo_rows(lf_data_dir, "mllm_video_demo")
+    assert f"train_samples={rows}," in r.stderr and "bad_rows=0" in r.stderr, r.stderr[-3000:]
     train(EXAMPLE, two, vlm_dir, *video[:1], "per_device_train_batch_size=2", *video[2:], processes=2)
     assert_same_weights(one, two)
 
@@ -183,7 +190,8 @@ def test_an_omni_model_hears_llamafactorys_video_audio_demo_and_exports_its_thin
     r = train(EXAMPLE, out, omni, *SMALL, "dataset=mllm_video_audio_demo", "eval_dataset=null",
               f"dataset_dir={lf_data_dir}", "use_audio_in_video=true", "video_max_pixels=12544", "video_fps=1.0",
               "cutoff_len=2048")
-    assert "train_samples=3" in r.stderr and "its thinker" in r.stderr, r.stderr[-3000:]
+    rows = demo_rows(lf_data_dir, "mllm_video_audio_demo")
+    assert f"train_samples={rows}," in r.stderr and "its thinker" in r.stderr, r.stderr[-3000:]
     merged = tmp_path / "merged"
     r = subprocess.run([sys.executable, "-m", "tuneforge.cli", "export", EXAMPLE, f"model_name_or_path={omni}",
                         f"adapter_name_or_path={out}", f"export_dir={merged}"],
