@@ -18,6 +18,7 @@ tuneforge api CONFIG [key=value ...]          serve it behind an OpenAI-compatib
 tuneforge export CONFIG [key=value ...]       merge the adapter into the base; write export_dir (or a GGUF file)
 tuneforge eval CONFIG [key=value ...]         loss / perplexity, generated answers (BLEU, ROUGE), or a benchmark (task)
 tuneforge data preview CONFIG [-n N]          show rendered samples with the supervised spans marked
+tuneforge webui [--host H --port P --root D]  train, watch, chat, evaluate and export in the browser
 tuneforge env                                 versions, device, threads
 tuneforge version
 """
@@ -71,9 +72,22 @@ def _parser() -> argparse.ArgumentParser:
     preview = data.add_parser("preview", help="rendered samples, supervised spans marked")
     _config_args(preview)
     preview.add_argument("-n", type=int, default=3, help="number of samples (default 3)")
+    webui = sub.add_parser("webui", help="the web UI")
+    webui.add_argument("--host", help="address to listen on (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
+    webui.add_argument("--port", type=int, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
+    webui.add_argument("--share", action="store_true", default=None, help="a public gradio link ($GRADIO_SHARE)")
+    webui.add_argument("--root", default="saves", help="the folder runs go to and are listed from (default saves)")
     sub.add_parser("env", help="versions, device, threads")
     sub.add_parser("version", help="print the version")
     return parser
+
+
+def cmd_webui(args) -> None:
+    try:
+        from tuneforge.webui.app import launch
+    except ImportError as e:
+        raise TuneforgeError(f"the web UI needs gradio: pip install 'tuneforge[webui]' ({e})") from None
+    launch(args.host, args.port, args.share, args.root)
 
 
 def cmd_train(args) -> int:
@@ -249,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     command = {
         "train": cmd_train, "preprocess": cmd_preprocess, "chat": cmd_chat, "api": cmd_api,
-        "export": cmd_export, "eval": cmd_eval, "env": cmd_env,
+        "export": cmd_export, "eval": cmd_eval, "env": cmd_env, "webui": cmd_webui,
     }.get(args.command)
     if args.command == "data":
         command = cmd_data_preview
