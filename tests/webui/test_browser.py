@@ -113,6 +113,23 @@ def _shot(driver, name):
         driver.save_screenshot(str(Path(folder) / f"webui-{name}.png"))
 
 
+def test_a_llamaboard_config_loads_into_the_form_with_its_bad_values_marked(server, browser, tmp_path):
+    saved = tmp_path / "training_args.yaml"
+    saved.write_text("model_name_or_path: smollm2-135m-instruct\nstage: sft\ndo_train: true\nfinetuning_type: lora\n"
+                     "lora_rank: 16\ndataset: identity\ncutoff_len: long\nreport_to: none\n"
+                     "include_num_input_tokens_seen: true\nnot_a_key: 1\n")
+    _type(browser, "load-path", str(saved))
+    browser.find_element(By.ID, "load-config").click()
+    _wait(lambda: "loaded" in _text(browser, "train-message"), 30, "the config to load")
+    assert "not_a_key" in _text(browser, "train-message")
+    rank = browser.find_element(By.CSS_SELECTOR, "#field-lora_rank input, #field-lora_rank textarea")
+    assert rank.get_attribute("value") == "16"
+    cutoff = browser.find_element(By.ID, "field-cutoff_len")
+    _wait(lambda: "tf-error" in cutoff.get_attribute("class"), 10, "the bad value marked")
+    assert "expected an integer" in cutoff.text or "is not int" in cutoff.text
+    assert "lora_rank: 16" in _text(browser, "config-yaml")
+
+
 def test_train_watch_chat_and_stop_in_the_browser(server, browser):
     _, root = server
     first, second = root / "saves" / "first", root / "saves" / "second"
@@ -121,7 +138,8 @@ def test_train_watch_chat_and_stop_in_the_browser(server, browser):
     _type(browser, "field-output_dir", str(first))
     browser.find_element(By.ID, "start").click()
     _wait(lambda: "lora_rank must be > 0" in _text(browser, "train-message"), 30, "the form's error")
-    assert "tf-error" in browser.find_element(By.ID, "field-lora_rank").get_attribute("class")
+    rank = browser.find_element(By.ID, "field-lora_rank")
+    assert "tf-error" in rank.get_attribute("class") and "lora_rank must be > 0" in rank.text
     assert not first.exists()
 
     _type(browser, "field-lora_rank", "8")

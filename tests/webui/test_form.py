@@ -85,11 +85,14 @@ def _other_value(key, default, tp):
 def test_a_llamaboard_file_fills_the_form_and_unknown_keys_are_named(tmp_path):
     saved = {"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "stage": "sft", "do_train": True,
              "finetuning_type": "lora", "lora_rank": 16, "dataset": "identity,alpaca_en_demo", "cutoff_len": 2048,
-             "learning_rate": 5e-5, "not_a_key": 1, "lora_alpha": "sixteen"}
+             "learning_rate": 5e-5, "not_a_key": 1, "lora_alpha": "sixteen", "include_num_input_tokens_seen": True,
+             "lora_rnak": 8}
     values, errors = form.to_form(saved)
     assert values["lora_rank"] == "16" and values["dataset"] == "identity,alpaca_en_demo"
     assert values["finetuning_type"] == "lora" and values["do_train"] is True
-    assert set(errors) == {"not_a_key", "lora_alpha"} and "'sixteen' is not int" in errors["lora_alpha"]
+    # a LlamaFactory key the CLI accepts and ignores is no error; the others carry the CLI's message
+    assert set(errors) == {"not_a_key", "lora_alpha", "lora_rnak"} and "'sixteen' is not int" in errors["lora_alpha"]
+    assert "did you mean 'lora_rank'" in errors["lora_rnak"]
 
 
 def test_check_puts_the_validators_message_on_the_key_it_names(tmp_path):

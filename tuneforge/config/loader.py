@@ -135,6 +135,17 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     raise AssertionError(f"unhandled type {tp} for {key}")
 
 
+def foreign_key(key: str) -> str | None:
+    """For a key that is not in the schema: None when it is accepted and ignored (a LlamaFactory key that changes
+    nothing here), else why it cannot be used."""
+    if key in llamafactory.IGNORED:
+        return None
+    if key in llamafactory.NOT_YET:
+        return (f"LlamaFactory key '{key}' is not supported by tuneforge yet; remove it from the config to run "
+                f"without it")
+    return f"unknown key '{key}'{_suggest(key)}"
+
+
 def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
     """A RunConfig from a flat mapping; unknown, unsupported and ill-typed keys raise ConfigError."""
     index = key_index()
@@ -152,15 +163,10 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
                 shown = ", ".join("null" if c is None else str(c) for c in choices)
                 raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {shown}", key=key)
             values[group][key] = value
-        elif key in llamafactory.IGNORED:
+        elif (problem := foreign_key(key)) is None:
             logger.debug("%s: key '%s' accepted and ignored: %s", source, key, llamafactory.IGNORED[key])
-        elif key in llamafactory.NOT_YET:
-            raise ConfigError(
-                f"{source}: LlamaFactory key '{key}' is not supported by tuneforge yet; "
-                f"remove it from the config to run without it", key=key,
-            )
         else:
-            raise ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}", key=key)
+            raise ConfigError(f"{source}: {problem}", key=key)
     groups = {g: cls(**values[g]) for g, cls in GROUPS.items()}
     return RunConfig(**groups, source=source)
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tuneforge.config import from_dict
-from tuneforge.config.loader import coerce
+from tuneforge.config.loader import coerce, foreign_key
 from tuneforge.config.schema import GROUPS, RunConfig, key_index
 from tuneforge.errors import ConfigError, TuneforgeError
 
@@ -85,8 +85,9 @@ def value_text(value: Any) -> str:
 
 
 def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """A config mapping -> (field values for every key, errors by key for values the form cannot hold). Keys the
-    schema does not know are reported under their own name."""
+    """A config mapping -> (field values for every key, errors by key for values the form cannot hold). A key the
+    schema does not know is left out: silently when the CLI accepts and ignores it (a LlamaFactory key that changes
+    nothing here), else reported under its own name with the CLI's message."""
     specs = {s.key: s for s in field_specs()}
     values = {key: spec.default for key, spec in specs.items()}
     errors: dict[str, str] = {}
@@ -95,7 +96,9 @@ def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     for key, value in raw.items():
         spec = specs.get(key)
         if spec is None:
-            errors[key] = f"'{key}' is not a tuneforge key (see the README's list of config keys)"
+            problem = foreign_key(key)
+            if problem is not None:
+                errors[key] = problem
             continue
         try:
             typed = coerce(key, value, hints[index[key][0]][key])

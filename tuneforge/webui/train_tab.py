@@ -82,6 +82,7 @@ def build(launcher: Launcher, start_values: dict[str, Any]) -> None:
                 fields[spec.key] = _component(spec, initial[spec.key], dataset_dir)
     keys = list(fields)
     components = [fields[k] for k in keys]
+    helps = {spec.key: spec.help or None for spec in specs}
 
     with gr.Row():
         preview_button = gr.Button("Preview data", elem_id="preview")
@@ -107,8 +108,16 @@ def build(launcher: Launcher, start_values: dict[str, Any]) -> None:
     def current(*values: Any) -> dict[str, Any]:
         return form.from_form({k: _form_value(k, v) for k, v in zip(keys, values, strict=True)})
 
-    def marked(errors: dict[str, str]) -> list[Any]:
-        return [gr.update(elem_classes=[ERROR_CLASS] if k in errors else []) for k in keys]
+    def marked(errors: dict[str, str], values: dict[str, Any] | None = None) -> list[Any]:
+        """Each field outlined and captioned with the validator's message when it names it, else as it was."""
+        updates = []
+        for k in keys:
+            extra = {} if values is None else {"value": _component_value(k, values[k])}
+            if k in errors:
+                updates.append(gr.update(elem_classes=[ERROR_CLASS], info=f"⚠ {errors[k]}", **extra))
+            else:
+                updates.append(gr.update(elem_classes=[], info=helps[k], **extra))
+        return updates
 
     def on_change(*values: Any) -> str:
         return form.to_yaml(current(*values))
@@ -119,10 +128,8 @@ def build(launcher: Launcher, start_values: dict[str, Any]) -> None:
         except TuneforgeError as e:
             return [gr.update() for _ in keys] + [f"**cannot load:** {e}"]
         values, errors = form.to_form(raw)
-        updates = [gr.update(value=_component_value(k, values[k]), elem_classes=[ERROR_CLASS] if k in errors else [])
-                   for k in keys]
         notes = "".join(f"\n- `{k}`: {m}" for k, m in errors.items())
-        return updates + [f"loaded {path}" + (f"; these keys could not be set:{notes}" if notes else "")]
+        return marked(errors, values) + [f"loaded {path}" + (f"; these keys could not be set:{notes}" if notes else "")]
 
     def on_dataset_dir(dataset_dir: str) -> list[Any]:
         names = _dataset_names(dataset_dir)
