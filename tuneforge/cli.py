@@ -83,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_webui(args) -> None:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a training machine
     try:
         from tuneforge.webui.app import launch
     except ImportError as e:
