@@ -135,15 +135,27 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     raise AssertionError(f"unhandled type {tp} for {key}")
 
 
-def foreign_key(key: str) -> str | None:
+def _admits_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def foreign_key(key: str, value: Any) -> str | None:
     """For a key that is not in the schema: None when it is accepted and ignored (a LlamaFactory key that changes
-    nothing here), else why it cannot be used."""
+    nothing here, or one tuneforge does not support yet at LlamaFactory's default value), else why it cannot be
+    used."""
     if key in llamafactory.IGNORED:
         return None
     if key in llamafactory.NOT_YET:
-        return (f"LlamaFactory key '{key}' is not supported by tuneforge yet; remove it from the config to run "
-                f"without it")
+        if llamafactory.at_default(key, value):
+            return None
+        return (f"LlamaFactory key '{key}' is not supported by tuneforge yet (only its default, "
+                f"{_shown(llamafactory.NOT_YET[key])}, is accepted; got {value!r}); remove it from the config to "
+                f"run without it")
     return f"unknown key '{key}'{_suggest(key)}"
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else json.dumps(value) if isinstance(value, (bool, list, dict)) else repr(value)
 
 
 def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
@@ -154,6 +166,8 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
     for key, value in raw.items():
         if key in index:
             group, f = index[key]
+            if value is None and not _admits_none(hints[group][key]):
+                continue  # `key: null` (LlamaFactory's / transformers' way of writing "unset"): the default
             try:
                 value = coerce(key, value, hints[group][key])
             except ConfigError as e:
@@ -163,8 +177,8 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
                 shown = ", ".join("null" if c is None else str(c) for c in choices)
                 raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {shown}", key=key)
             values[group][key] = value
-        elif (problem := foreign_key(key)) is None:
-            logger.debug("%s: key '%s' accepted and ignored: %s", source, key, llamafactory.IGNORED[key])
+        elif (problem := foreign_key(key, value)) is None:
+            logger.debug("%s: key '%s' accepted and ignored (%r)", source, key, value)
         else:
             raise ConfigError(f"{source}: {problem}", key=key)
     groups = {g: cls(**values[g]) for g, cls in GROUPS.items()}

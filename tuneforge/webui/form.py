@@ -96,7 +96,7 @@ def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     for key, value in raw.items():
         spec = specs.get(key)
         if spec is None:
-            problem = foreign_key(key)
+            problem = foreign_key(key, value)
             if problem is not None:
                 errors[key] = problem
             continue

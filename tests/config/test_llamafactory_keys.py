@@ -1,0 +1,47 @@
+"""Every key a LlamaFactory config may carry (its argument classes and the Hugging Face training arguments they
+inherit, tests/fixtures/llamafactory_keys.json) is ours, accepted and ignored, or not supported yet — never unknown —
+and a file that spells out LlamaFactory's defaults loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tuneforge.config import llamafactory
+from tuneforge.config.loader import build, parse_overrides
+from tuneforge.config.schema import key_index
+from tuneforge.errors import ConfigError
+
+KEYS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "llamafactory_keys.json").read_text())["keys"]
+
+
+def test_every_llamafactory_key_is_in_exactly_one_place():
+    places = {"schema": set(key_index()), "ignored": set(llamafactory.IGNORED), "not_yet": set(llamafactory.NOT_YET)}
+    for key in KEYS:
+        found = [name for name, keys in places.items() if key in keys]
+        assert len(found) == 1, (key, found)
+    assert not places["ignored"] & places["not_yet"] and not (places["ignored"] | places["not_yet"]) & places["schema"]
+
+
+def test_a_file_spelling_out_every_llamafactory_default_loads():
+    build(dict(KEYS))
+
+
+@pytest.mark.parametrize("key", sorted(llamafactory.NOT_YET))
+def test_a_key_not_supported_yet_is_accepted_at_its_default_and_refused_otherwise(key):
+    default = llamafactory.NOT_YET[key]
+    build({key: default})
+    written = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+    build(parse_overrides([f"{key}={written}"]))  # as an override writes it
+    other = (not default if isinstance(default, bool) else "something" if default is None or isinstance(default, str)
+             else default + 7 if isinstance(default, (int, float)) else ["x"])
+    with pytest.raises(ConfigError, match=rf"'{key}' is not supported by tuneforge yet .*only its default") as e:
+        build({key: other})
+    assert e.value.key == key
+
+
+def test_null_for_a_key_that_takes_no_null_means_its_default():
+    cfg = build({"disable_tqdm": None, "lr_scheduler_kwargs": None, "learning_rate": None})
+    assert cfg.train.disable_tqdm is False and cfg.train.lr_scheduler_kwargs == {} and cfg.train.learning_rate == 5e-5
