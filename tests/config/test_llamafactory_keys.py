@@ -45,3 +45,34 @@ def test_a_key_not_supported_yet_is_accepted_at_its_default_and_refused_otherwis
 def test_null_for_a_key_that_takes_no_null_means_its_default():
     cfg = build({"disable_tqdm": None, "lr_scheduler_kwargs": None, "learning_rate": None})
     assert cfg.train.disable_tqdm is False and cfg.train.lr_scheduler_kwargs == {} and cfg.train.learning_rate == 5e-5
+
+
+def test_older_names_map_to_their_current_keys():
+    cfg = build({"evaluation_strategy": "steps", "dpo_beta": 0.25, "per_gpu_train_batch_size": 3})
+    assert cfg.train.eval_strategy == "steps" and cfg.method.pref_beta == 0.25
+    assert cfg.train.per_device_train_batch_size == 3
+    assert build({"evaluation_strategy": "steps", "eval_strategy": "steps"}).train.eval_strategy == "steps"
+    with pytest.raises(ConfigError, match="'evaluation_strategy' is the older name of 'eval_strategy'"):
+        build({"evaluation_strategy": "steps", "eval_strategy": "epoch"})
+    places = set(key_index()) | set(llamafactory.IGNORED) | set(llamafactory.NOT_YET)
+    assert not (set(llamafactory.RENAMED) | set(llamafactory.REPLACED)) & places
+    assert set(llamafactory.RENAMED.values()) <= places  # each points at a key that exists
+
+
+def test_older_keys_without_a_successor_say_what_replaced_them():
+    build({"image_resolution": None, "no_cuda": False, "dispatch_batches": None})  # at their old defaults
+    with pytest.raises(ConfigError, match="image_resolution.*set image_max_pixels") as e:
+        build({"image_resolution": 512})
+    assert e.value.key == "image_resolution"
+    with pytest.raises(ConfigError, match="max_source_length.*set cutoff_len"):
+        build({"max_source_length": 1024})
+
+
+def test_allow_extra_args_lets_unknown_keys_through_with_a_warning(monkeypatch, caplog):
+    with pytest.raises(ConfigError, match="unknown key 'my_own_key'"):
+        build({"my_own_key": 1})
+    monkeypatch.setenv("ALLOW_EXTRA_ARGS", "1")
+    build({"my_own_key": 1})
+    assert "unknown key 'my_own_key' ignored (ALLOW_EXTRA_ARGS is set)" in caplog.text
+    with pytest.raises(ConfigError, match="not supported by tuneforge yet"):  # a key that would change the result
+        build({"use_unsloth": True})

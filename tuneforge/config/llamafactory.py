@@ -246,10 +246,46 @@ NOT_YET: dict[str, Any] = {
 NONE_WORDS = ("", "none", "null")
 
 
+# older names (earlier LlamaFactory or transformers releases) that users' files still carry -> the current key
+RENAMED: dict[str, str] = {
+    "evaluation_strategy": "eval_strategy",  # transformers 4.46
+    "per_gpu_train_batch_size": "per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "dpo_beta": "pref_beta", "orpo_beta": "pref_beta", "dpo_loss": "pref_loss", "dpo_ftx": "pref_ftx",  # LF 0.8
+    "efficient_packing": "neat_packing",
+    "new_special_tokens": "add_special_tokens",
+    "push_to_hub_model_id": "hub_model_id",
+    "push_to_hub_token": "hub_token",
+}
+# older keys with no same-meaning successor -> (their old default, accepted; what replaced them)
+REPLACED: dict[str, tuple[Any, str]] = {
+    "image_resolution": (None, "was LlamaFactory's bound on an image's longest side; image_max_pixels now bounds "
+                               "its pixel count (e.g. 512 x 512 = 262144): set image_max_pixels"),
+    "video_resolution": (None, "was LlamaFactory's bound on a frame's longest side; video_max_pixels now bounds "
+                               "its pixel count: set video_max_pixels"),
+    "max_source_length": (None, "was replaced by cutoff_len (prompt and answer together): set cutoff_len"),
+    "max_target_length": (None, "was replaced by cutoff_len (prompt and answer together): set cutoff_len"),
+    "visual_inputs": (False, "was LlamaFactory 0.8's switch for vision-language models; the model's config says so "
+                             "now: remove it"),
+    "dispatch_batches": (None, "moved into transformers' accelerator_config; tuneforge builds each process's "
+                               "batches itself: remove it"),
+    "split_batches": (False, "moved into transformers' accelerator_config; tuneforge builds each process's "
+                             "batches itself: remove it"),
+    "no_cuda": (False, "was replaced by use_cpu; tuneforge picks the device itself (the CPU when no GPU is "
+                       "visible; CUDA_VISIBLE_DEVICES= hides them): remove it"),
+    "use_mps_device": (False, "is gone from transformers; tuneforge runs on CUDA or the CPU: remove it"),
+    "fp16_backend": ("auto", "chose transformers' old mixed-precision backend; tuneforge uses torch's autocast: "
+                             "remove it"),
+    "tpu_num_cores": (None, "is a TPU setting; tuneforge runs on CUDA or the CPU: remove it"),
+    "include_inputs_for_metrics": (False, "was replaced by include_for_metrics, which tuneforge does not need "
+                                          "(each metric gets what it reads): remove it"),
+}
+
+
 def at_default(key: str, value: Any) -> bool:
-    """Whether a NOT_YET key's value is LlamaFactory's default, as a YAML file or a `key=value` override may
-    write it (`null` / `none` for None, `false` / `0` for False, `1.0` for 1)."""
-    default = NOT_YET[key]
+    """Whether a NOT_YET (or REPLACED) key's value is LlamaFactory's default, as a YAML file or a `key=value`
+    override may write it (`null` / `none` for None, `false` / `0` for False, `1.0` for 1)."""
+    default = NOT_YET[key] if key in NOT_YET else REPLACED[key][0]
     if isinstance(value, str) and value.strip().lower() in NONE_WORDS:
         value = None
     if default is None or value is None:

@@ -16,7 +16,7 @@ import yaml
 from tuneforge.config import llamafactory
 from tuneforge.config.schema import GROUPS, RunConfig, key_index
 from tuneforge.errors import ConfigError
-from tuneforge.flags import parse_flag
+from tuneforge.flags import env_flag, parse_flag
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def _suggest(key: str) -> str:
-    known = list(key_index()) + list(llamafactory.IGNORED) + list(llamafactory.NOT_YET)
+    known = list(key_index()) + list(llamafactory.IGNORED) + list(llamafactory.NOT_YET) + list(llamafactory.RENAMED)
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f" — did you mean '{close[0]}'?" if close else " (see the README's list of config keys)"
 
@@ -145,13 +145,34 @@ def foreign_key(key: str, value: Any) -> str | None:
     used."""
     if key in llamafactory.IGNORED:
         return None
+    if key in llamafactory.REPLACED:
+        return None if llamafactory.at_default(key, value) else f"key '{key}' {llamafactory.REPLACED[key][1]}"
     if key in llamafactory.NOT_YET:
         if llamafactory.at_default(key, value):
             return None
         return (f"LlamaFactory key '{key}' is not supported by tuneforge yet (only its default, "
                 f"{_shown(llamafactory.NOT_YET[key])}, is accepted; got {value!r}); remove it from the config to "
                 f"run without it")
+    if env_flag("ALLOW_EXTRA_ARGS"):  # LlamaFactory's escape hatch for files that knowingly carry other keys
+        logger.warning("unknown key '%s' ignored (ALLOW_EXTRA_ARGS is set)%s", key, _suggest(key))
+        return None
     return f"unknown key '{key}'{_suggest(key)}"
+
+
+def current_names(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The mapping with older key names (llamafactory.RENAMED) under their current ones."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        new = llamafactory.RENAMED.get(key)
+        if new is None:
+            out.setdefault(key, value)
+            continue
+        if new in raw and raw[new] != value:
+            raise ConfigError(f"{source}: '{key}' is the older name of '{new}', and both are set to different values "
+                              f"({value!r} and {raw[new]!r}); keep '{new}'", key=new)
+        logger.info("%s: key '%s' is the older name of '%s'", source, key, new)
+        out[new] = value
+    return out
 
 
 def _shown(value: Any) -> str:
@@ -163,7 +184,7 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
     index = key_index()
     hints = {g: typing.get_type_hints(cls) for g, cls in GROUPS.items()}
     values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
-    for key, value in raw.items():
+    for key, value in current_names(raw, source).items():
         if key in index:
             group, f = index[key]
             if value is None and not _admits_none(hints[group][key]):

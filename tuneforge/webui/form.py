@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tuneforge.config import from_dict
-from tuneforge.config.loader import coerce, foreign_key
+from tuneforge.config.loader import coerce, current_names, foreign_key
 from tuneforge.config.schema import GROUPS, RunConfig, key_index
 from tuneforge.errors import ConfigError, TuneforgeError
 
@@ -93,7 +93,7 @@ def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     errors: dict[str, str] = {}
     index = key_index()
     hints = {group: typing.get_type_hints(cls) for group, cls in GROUPS.items()}
-    for key, value in raw.items():
+    for key, value in current_names(raw, "the file").items():
         spec = specs.get(key)
         if spec is None:
             problem = foreign_key(key, value)
