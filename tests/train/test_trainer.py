@@ -230,6 +230,26 @@ def test_nan_loss_names_the_step(tmp_path):
         Trainer(cfg, model, None, rows, None, collate).train()
 
 
+@pytest.mark.parametrize("order", [{"data_seed": 7}, {"disable_shuffling": True}])
+def test_data_seed_and_disable_shuffling_set_the_order_rows_are_trained_in(tmp_path, order):
+    """The row that poisons the loss is reached at the step its place in the order says."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[63] = float("nan")
+    batches = epoch_micro_batches(6, 1, seed=7, epoch=0, shuffle="data_seed" in order)
+    poisoned = batches[3][0]  # the row of the fourth step
+    assert epoch_micro_batches(6, 1, seed=42, epoch=0)[3][0] != poisoned  # not where seed 42's order puts it
+    rows = [dict(r) for r in random_dataset([5] * 6, low=3, high=60)]
+    rows[poisoned]["input_ids"] = rows[poisoned]["input_ids"][:-1] + [63]
+    cfg = make_cfg(tmp_path / "out", tmp_path, per_device_train_batch_size=1, max_steps=6, **order)
+    with pytest.raises(TrainingError, match=r"step 4: the loss is nan"):
+        Trainer(cfg, model, None, rows, None, collate).train()
+    if "disable_shuffling" in order:
+        assert poisoned == 3
+
+
 def test_final_adapter_and_results(tmp_path, tiny_model_dir, tokenizer):
     from peft import PeftModel
 

@@ -156,6 +156,8 @@ class TrainArgs:
     bf16: bool = opt(False, help="bfloat16 mixed precision")
     fp16: bool = opt(False, help="float16 mixed precision")
     seed: int = opt(42, help="random seed")
+    data_seed: int | None = opt(help="seed of the training data's order (default: seed)")
+    disable_shuffling: bool = opt(False, help="train on the rows in dataset order, every epoch")
     logging_steps: int = opt(10, help="log every N steps")
     save_steps: int = opt(500, help="checkpoint every N steps")
     save_strategy: str = opt("steps", choices=("steps", "no"), help="steps or no")

@@ -89,9 +89,10 @@ def sums_over_ranks(
 
 
 def epoch_micro_batches(
-    num_rows: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1
+    num_rows: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True
 ) -> list[list[int]]:
-    """Row indices of this rank's micro-batches of one epoch, shuffled by seed + epoch; the last may be short.
+    """Row indices of this rank's micro-batches of one epoch, shuffled by seed + epoch (in dataset order without
+    shuffle); the last may be short.
 
     The shuffled rows are cut into global micro-batches of batch_size x world_size rows, and rank r takes
     rows r, r + world_size, ... of each, so the ranks together see what one process with world_size times
@@ -99,7 +100,10 @@ def epoch_micro_batches(
     more than one rank, the order is first padded to a multiple of world_size by repeating its first rows
     (as torch's DistributedSampler does), since a rank that skipped a step would leave the others waiting.
     """
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    if shuffle:
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    else:
+        order = list(range(num_rows))
     if world_size > 1 and order:
         order += order[: -len(order) % world_size]
     chunk = batch_size * world_size
@@ -424,9 +428,8 @@ class Trainer:
         its place in its rollout: `buffer` groups prepared together, stepped on `iterations` times in order."""
         t = self.cfg.train
         size, epoch = t.per_device_train_batch_size, self.state.epoch
-        batches = epoch_micro_batches(
-            len(self.train_dataset), size, t.seed, epoch, self.rank, self.world_size
-        )
+        batches = epoch_micro_batches(len(self.train_dataset), size, t.seed if t.data_seed is None else t.data_seed,
+                                      epoch, self.rank, self.world_size, shuffle=not t.disable_shuffling)
         remaining = batches[self.state.batches_in_epoch :]
         ga = t.gradient_accumulation_steps
         for start in range(0, len(remaining), ga * self.buffer):
