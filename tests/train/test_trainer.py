@@ -177,6 +177,14 @@ def test_eval_strategy_epoch_evaluates_at_each_epoch_end(tmp_path, tiny_model_di
     assert evals == [(2, 1.0), (4, 2.0), (6, 3.0)]  # and no extra evaluation at the end
 
 
+def test_save_strategy_epoch_saves_at_each_epoch_end(tmp_path, tiny_model_dir):
+    # 3 rows in micro-batches of 2: 2 steps per epoch, 3 epochs
+    out = tmp_path / "out"
+    cfg = make_cfg(out, tiny_model_dir, max_steps=-1, num_train_epochs=3, save_strategy="epoch", save_steps=1)
+    Trainer(cfg, load_model(tiny_model_dir), None, random_dataset([4, 5, 6]), None, collate).train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
 def test_early_stopping_stops_after_patience_evaluations(tmp_path, tiny_model_dir, caplog):
     # eval tokens never occur in training, so eval_loss soon stops improving
     train, evals = random_dataset([8] * 8, high=500), random_dataset([8] * 4, seed=1, low=500, high=1000)

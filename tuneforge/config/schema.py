@@ -160,7 +160,8 @@ class TrainArgs:
     disable_shuffling: bool = opt(False, help="train on the rows in dataset order, every epoch")
     logging_steps: int = opt(10, help="log every N steps")
     save_steps: int = opt(500, help="checkpoint every N steps")
-    save_strategy: str = opt("steps", choices=("steps", "no"), help="steps or no")
+    save_strategy: str = opt("steps", choices=("steps", "epoch", "no"),
+                             help="checkpoint every save_steps steps, at each epoch's end, or never")
     save_total_limit: int | None = opt(help="keep at most N checkpoints")
     eval_strategy: str = opt("no", choices=("no", "steps", "epoch"), help="when to evaluate")
     eval_steps: int | None = opt(help="evaluate every N steps (default: logging_steps)")

@@ -326,7 +326,8 @@ class Trainer:
                 every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
                 if every_n or (t.eval_strategy == "epoch" and epoch_ended):
                     stop_reason = self._evaluate_and_track()
-                pending_save = pending_save or (t.save_strategy == "steps" and step % t.save_steps == 0)
+                pending_save = (pending_save or (t.save_strategy == "steps" and step % t.save_steps == 0)
+                                or (t.save_strategy == "epoch" and epoch_ended))
                 if (pending_save and phase.ends_rollout) or (stopped and stop_reason is None):
                     self._save_checkpoint()  # a stopped run can be resumed from this step
                     pending_save = False
