@@ -41,7 +41,7 @@ def cfg(tmp_path, **kw):
         ({"learning_rate": 0}, "learning_rate must be > 0"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be >= 1"),
         ({"eval_strategy": "steps"}, "needs evaluation data"),
-        ({"early_stopping_steps": 3}, "early_stopping_steps watches eval_loss"),
+        ({"early_stopping_steps": 3}, "early_stopping_steps watches the evaluation"),
         ({"interleave_probs": "0.5,0.5"}, "needs mix_strategy interleave"),
         ({"mix_strategy": "interleave_under", "interleave_probs": "0.7,0.7", "dataset": "a,b"}, "sum to 1"),
         ({"report_to": "mlflow"}, "report_to: 'mlflow' is not one of"),

@@ -185,6 +185,45 @@ def test_save_strategy_epoch_saves_at_each_epoch_end(tmp_path, tiny_model_dir):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
 
+def test_save_strategy_best_saves_when_the_evaluation_improves(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    cfg = make_cfg(out, tiny_model_dir, max_steps=6, eval_strategy="steps", eval_steps=1, save_strategy="best",
+                   metric_for_best_model="perplexity")
+    trainer = Trainer(cfg, load_model(tiny_model_dir), None, random_dataset([4, 5, 6, 7]),
+                      random_dataset([5, 6], seed=1), collate)
+    trainer.train()
+    evals = [(e["step"], e["perplexity"]) for e in trainer.state.log_history if "eval_loss" in e]
+    improving = [step for i, (step, value) in enumerate(evals) if all(value < v for _, v in evals[:i])]
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == improving
+    assert trainer.state.best_step == improving[-1]
+
+
+def test_load_best_model_at_end_outputs_the_best_checkpoints_weights(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    # "best" = the highest eval loss, which the first evaluation has as training lowers it
+    cfg = make_cfg(out, tiny_model_dir, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="best",
+                   greater_is_better=True, load_best_model_at_end=True)
+    trainer = Trainer(cfg, load_model(tiny_model_dir), None, random_dataset([4, 5, 6, 7]),
+                      random_dataset([5, 6], seed=1), collate)
+    results = trainer.train()
+    assert trainer.state.best_step == 1 and results["global_step"] == 4
+    final, best = load_file(out / "model.safetensors"), load_file(out / "checkpoint-1" / "model.safetensors")
+    assert final.keys() == best.keys()
+    assert all(torch.equal(final[k], best[k]) for k in final)
+
+
+def test_best_model_settings_are_checked_before_training(tmp_path, tiny_model_dir):
+    from tuneforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="load_best_model_at_end needs a checkpoint at every evaluation"):
+        make_cfg(tmp_path / "a", tiny_model_dir, eval_strategy="steps", eval_steps=2, save_steps=3,
+                 load_best_model_at_end=True)
+    with pytest.raises(ConfigError, match="rank evaluations: set eval_strategy"):
+        make_cfg(tmp_path / "b", tiny_model_dir, save_strategy="best")
+
+
 def test_early_stopping_stops_after_patience_evaluations(tmp_path, tiny_model_dir, caplog):
     # eval tokens never occur in training, so eval_loss soon stops improving
     train, evals = random_dataset([8] * 8, high=500), random_dataset([8] * 4, seed=1, low=500, high=1000)

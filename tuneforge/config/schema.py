@@ -160,8 +160,14 @@ class TrainArgs:
     disable_shuffling: bool = opt(False, help="train on the rows in dataset order, every epoch")
     logging_steps: int = opt(10, help="log every N steps")
     save_steps: int = opt(500, help="checkpoint every N steps")
-    save_strategy: str = opt("steps", choices=("steps", "epoch", "no"),
-                             help="checkpoint every save_steps steps, at each epoch's end, or never")
+    save_strategy: str = opt("steps", choices=("steps", "epoch", "best", "no"),
+                             help="checkpoint every save_steps steps, at each epoch's end, when the evaluation "
+                                  "improves on the best so far, or never")
+    metric_for_best_model: str | None = opt(help="the evaluation metric that ranks checkpoints and early stopping "
+                                                 "watches (default eval_loss; `eval_` may be left off)")
+    greater_is_better: bool | None = opt(help="whether a larger metric_for_best_model is better (default: false "
+                                              "for a loss or perplexity, true otherwise)")
+    load_best_model_at_end: bool = opt(False, help="the output holds the best checkpoint's weights, not the last")
     save_total_limit: int | None = opt(help="keep at most N checkpoints")
     eval_strategy: str = opt("no", choices=("no", "steps", "epoch"), help="when to evaluate")
     eval_steps: int | None = opt(help="evaluate every N steps (default: logging_steps)")

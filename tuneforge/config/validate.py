@@ -146,11 +146,22 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         fail(f"eval_strategy {t.eval_strategy} needs evaluation data: set val_size or eval_dataset", key="eval_strategy")
     if for_training and t.eval_on_start and not has_eval:
         fail("eval_on_start needs evaluation data: set val_size or eval_dataset", key="eval_on_start")
+    if (t.save_strategy == "best" or t.load_best_model_at_end) and t.eval_strategy == "no":
+        fail("save_strategy: best and load_best_model_at_end rank evaluations: set eval_strategy (steps or epoch) "
+             "and val_size or eval_dataset", key=("eval_strategy", "save_strategy", "load_best_model_at_end"))
+    if t.load_best_model_at_end and t.save_strategy not in ("best", t.eval_strategy):
+        fail(f"load_best_model_at_end needs a checkpoint at every evaluation: set save_strategy: best (or "
+             f"{t.eval_strategy}, as eval_strategy)", key=("load_best_model_at_end", "save_strategy"))
+    if (t.load_best_model_at_end and t.save_strategy == "steps" == t.eval_strategy
+            and t.save_steps % (t.eval_steps or t.logging_steps)):
+        fail(f"load_best_model_at_end needs a checkpoint at every evaluation: save_steps {t.save_steps} must be a "
+             f"multiple of eval_steps {t.eval_steps or t.logging_steps}", key=("save_steps", "eval_steps"))
     if t.early_stopping_steps is not None:
         if t.early_stopping_steps < 1:
             fail("early_stopping_steps must be >= 1", key="early_stopping_steps")
         if t.eval_strategy == "no":
-            fail("early_stopping_steps watches eval_loss: set eval_strategy: steps and val_size or eval_dataset", key=("early_stopping_steps", "eval_strategy"))
+            fail("early_stopping_steps watches the evaluation (metric_for_best_model, default eval_loss): set "
+                 "eval_strategy: steps and val_size or eval_dataset", key=("early_stopping_steps", "eval_strategy"))
     bad_reports = [r for r in t.report_to if r not in ("none", "tensorboard", "wandb", "all")]
     if bad_reports:
         fail(f"report_to: {bad_reports[0]!r} is not one of none, tensorboard, wandb, all", key="report_to")

@@ -52,7 +52,8 @@ class TrainerState:
     total_tokens: int = 0  # non-padding tokens seen, all ranks
     loss_sum: float = 0.0  # over the whole run, for train_loss
     loss_units: int = 0
-    best_eval_loss: float | None = None
+    best_metric: float | None = None  # metric_for_best_model's best value so far (default eval_loss)
+    best_step: int | None = None  # the step it was reached at
     evals_without_improvement: int = 0
     last_eval_step: int | None = None
     status: str = "running"  # then "completed", or "stopped" (a stop request; resume continues the run)
@@ -147,11 +148,12 @@ def save_checkpoint(
     return final
 
 
-def rotate_checkpoints(output_dir: Path, save_total_limit: int | None) -> None:
-    """Delete the oldest checkpoint-N folders beyond save_total_limit."""
+def rotate_checkpoints(output_dir: Path, save_total_limit: int | None, keep: Path | None = None) -> None:
+    """Delete the oldest checkpoint-N folders beyond save_total_limit (never `keep`: the best one)."""
     if not save_total_limit or save_total_limit < 1:
         return
-    for old in checkpoints_in(output_dir)[:-save_total_limit]:
+    found = checkpoints_in(output_dir)
+    for old in [p for p in found[:-save_total_limit] if keep is None or p.name != keep.name]:
         logger.info("deleting %s (save_total_limit %d)", old, save_total_limit)
         shutil.rmtree(old)
 

@@ -126,6 +126,21 @@ def eval_batches(
     return batches + [(filler, False)] * (most - len(batches))
 
 
+def best_metric(t: Any, metrics: Mapping[str, float]) -> tuple[str, bool]:
+    """(the evaluation metric that ranks evaluations, whether larger is better): metric_for_best_model as the
+    evaluation names it, with or without its `eval_` prefix (default eval_loss), and greater_is_better (default:
+    false for a loss or perplexity)."""
+    given = t.metric_for_best_model or "eval_loss"
+    name = next((n for n in (given, f"eval_{given}", given.removeprefix("eval_")) if n in metrics), None)
+    if name is None:
+        raise TrainingError(f"metric_for_best_model {given!r}: the evaluation reports {', '.join(sorted(metrics))}; "
+                            f"choose one of those")
+    greater = t.greater_is_better
+    if greater is None:
+        greater = not (name.endswith("loss") or name.endswith("perplexity"))
+    return name, greater
+
+
 def cpu_has_native_bf16() -> bool:
     """True when oneDNN runs bf16 matrix products natively on this CPU (avx512_bf16 or AMX)."""
     try:
@@ -289,6 +304,8 @@ class Trainer:
         self.same_eval_count = self.strategy.gathers_weights or self.samples
         self.state = checkpoint.TrainerState(total_steps=self.total_steps)
         self.eval_every = t.eval_steps or t.logging_steps
+        self.improved = False  # whether the latest evaluation beat the best so far (metric_for_best_model)
+        self.best_name = "eval_loss"
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -324,10 +341,12 @@ class Trainer:
                     self._log_train(window)
                     window = Window()
                 every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
+                self.improved = False
                 if every_n or (t.eval_strategy == "epoch" and epoch_ended):
                     stop_reason = self._evaluate_and_track()
                 pending_save = (pending_save or (t.save_strategy == "steps" and step % t.save_steps == 0)
-                                or (t.save_strategy == "epoch" and epoch_ended))
+                                or (t.save_strategy == "epoch" and epoch_ended)
+                                or (t.save_strategy == "best" and self.improved))
                 if (pending_save and phase.ends_rollout) or (stopped and stop_reason is None):
                     self._save_checkpoint()  # a stopped run can be resumed from this step
                     pending_save = False
@@ -345,6 +364,10 @@ class Trainer:
             self.stop_requests.honoured()
         if stopped is None and self.eval_dataset is not None and self.state.last_eval_step != self.state.global_step:
             self._evaluate_and_track()
+            if t.save_strategy == "best" and self.improved:
+                self._save_checkpoint()
+        if stopped is None and t.load_best_model_at_end:
+            self._load_best()
         self.state.status = "stopped" if stopped else "completed"
         results = self._results()
         self._finish(results, resumed_from, stopped)
@@ -506,13 +529,16 @@ class Trainer:
         logger.info(
             "eval at step %d: %s", s.global_step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         )
-        if s.best_eval_loss is None or metrics["eval_loss"] < s.best_eval_loss:
-            s.best_eval_loss, s.evals_without_improvement = metrics["eval_loss"], 0
+        name, greater = best_metric(self.cfg.train, metrics)
+        self.best_name, value = name, metrics[name]
+        self.improved = s.best_metric is None or (value > s.best_metric if greater else value < s.best_metric)
+        if self.improved:
+            s.best_metric, s.best_step, s.evals_without_improvement = value, s.global_step, 0
         else:
             s.evals_without_improvement += 1
         if patience and s.evals_without_improvement >= patience:
             return (
-                f"early stopping: eval_loss has not improved on {s.best_eval_loss:.4f} for "
+                f"early stopping: {name} has not improved on {s.best_metric:.4f} for "
                 f"{s.evals_without_improvement} evaluations (early_stopping_steps {patience})"
             )
         return None
@@ -534,13 +560,28 @@ class Trainer:
         s.log_history.append(entry)
         self.callbacks.on_log(s, entry)
 
+    def _load_best(self) -> None:
+        """load_best_model_at_end: the best evaluated checkpoint's weights become the output's."""
+        s = self.state
+        if s.best_step is None or s.best_step == s.global_step:
+            return
+        folder = self.output_dir / f"checkpoint-{s.best_step}"
+        if not folder.is_dir():
+            logger.warning("load_best_model_at_end: %s is gone; the output keeps the last weights", folder)
+            return
+        self.strategy.load_checkpoint(folder, self.scheduler)  # its weights; this run's state stays
+        logger.info("load_best_model_at_end: the output holds %s (%s %.4f)", folder.name, self.best_name,
+                    s.best_metric)
+
     def _save_checkpoint(self) -> None:
         if hasattr(self.objective, "state_dict"):  # e.g. ppo's adaptive KL coefficient
             self.state.objective = self.objective.state_dict()
         path = self.strategy.save_checkpoint(self.output_dir, self.tokenizer, self.scheduler, self.state,
                                              is_main=self.is_main)
         if self.is_main:
-            checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit)
+            best = self.state.best_step
+            keep = self.output_dir / f"checkpoint-{best}" if best is not None else None
+            checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit, keep=keep)
         self.callbacks.on_save(self.state, path)
 
     def _start(self) -> Path | None:
