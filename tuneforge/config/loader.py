@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from tuneforge.config import llamafactory
-from tuneforge.config.schema import GROUPS, RunConfig, key_index
+from tuneforge.config.schema import GROUPS, RunConfig, key_index, key_types
 from tuneforge.errors import ConfigError
 from tuneforge.flags import env_flag, parse_flag
 
@@ -181,16 +181,15 @@ def _shown(value: Any) -> str:
 
 def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
     """A RunConfig from a flat mapping; unknown, unsupported and ill-typed keys raise ConfigError."""
-    index = key_index()
-    hints = {g: typing.get_type_hints(cls) for g, cls in GROUPS.items()}
+    index, types_of = key_index(), key_types()
     values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     for key, value in current_names(raw, source).items():
         if key in index:
             group, f = index[key]
-            if value is None and not _admits_none(hints[group][key]):
+            if value is None and not _admits_none(types_of[key]):
                 continue  # `key: null` (LlamaFactory's / transformers' way of writing "unset"): the default
             try:
-                value = coerce(key, value, hints[group][key])
+                value = coerce(key, value, types_of[key])
             except ConfigError as e:
                 raise ConfigError(f"{source}: {e}", key=key) from None
             choices = f.metadata.get("choices")

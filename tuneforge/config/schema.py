@@ -335,6 +335,13 @@ class RunConfig:
         return {f.name: getattr(getattr(self, g), f.name) for g, cls in GROUPS.items() for f in fields(cls)}
 
 
+def key_types() -> dict[str, Any]:
+    """Map every flat key to its annotated type (what `key: value` is coerced to)."""
+    import typing
+
+    return {key: hint for cls in GROUPS.values() for key, hint in typing.get_type_hints(cls).items()}
+
+
 def key_index() -> dict[str, tuple[str, Any]]:
     """Map every flat key to (group name, dataclass field)."""
     index: dict[str, tuple[str, Any]] = {}

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from tuneforge.atomic import atomic_folder, partial_folder, remove_partials
 from tuneforge.config import RunConfig, checkpoints_in
+from tuneforge.config.validate import CHECKPOINT_PREFIX
 from tuneforge.errors import TrainingError
 from tuneforge.train import pissa
 
@@ -68,6 +69,11 @@ class TrainerState:
         raw = json.loads(path.read_text(encoding="utf-8"))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def folder_at(output_dir: Path, step: int) -> Path:
+    """The checkpoint folder of a step (checkpoints_in finds them)."""
+    return Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -133,7 +139,7 @@ def save_checkpoint(
     state: TrainerState,
 ) -> Path:
     """Write output_dir/checkpoint-{global_step} atomically and return it."""
-    final = output_dir / f"checkpoint-{state.global_step}"
+    final = folder_at(output_dir, state.global_step)
     with atomic_folder(final) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:

@@ -163,7 +163,7 @@ class DeepSpeedStrategy:
     def save_checkpoint(self, output_dir: Path, tokenizer: Any, scheduler: Any, state: checkpoint.TrainerState,
                         *, is_main: bool) -> Path:
         """output_dir/checkpoint-{global_step}, written by every rank (collective) and renamed into place."""
-        final = output_dir / f"checkpoint-{state.global_step}"
+        final = checkpoint.folder_at(output_dir, state.global_step)
         with checkpoint.folder_of_all_ranks(final, is_main) as folder:
             # frozen weights are the base model's: not saved, as in every tuneforge checkpoint
             self.engine.save_checkpoint(str(folder), tag=DEEPSPEED_CHECKPOINT, save_latest=False,

@@ -276,7 +276,7 @@ def save_checkpoint(
     scaler: torch.amp.GradScaler, state: checkpoint.TrainerState, *, is_main: bool,
 ) -> Path:
     """output_dir/checkpoint-{global_step}, written by every rank (collective) and renamed into place."""
-    final = output_dir / f"checkpoint-{state.global_step}"
+    final = checkpoint.folder_at(output_dir, state.global_step)
     with checkpoint.folder_of_all_ranks(final, is_main) as folder:
         dcp.save(_trainable_state(model, optimizer), checkpoint_id=folder / SHARDED_CHECKPOINT)
         torch.save(checkpoint.capture_rng(), folder / f"rng_state_{dist.get_rank()}.pt")

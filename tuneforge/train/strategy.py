@@ -174,7 +174,7 @@ class LocalStrategy:
 
     def save_checkpoint(self, output_dir: Path, tokenizer: Any, scheduler: Any, state: checkpoint.TrainerState,
                         *, is_main: bool) -> Path:
-        final = output_dir / f"checkpoint-{state.global_step}"
+        final = checkpoint.folder_at(output_dir, state.global_step)
         if is_main:  # the weights are the same on every rank
             checkpoint.save_checkpoint(output_dir, self.model, tokenizer, self.optimizer, scheduler, self.scaler,
                                        state)

@@ -565,7 +565,7 @@ class Trainer:
         s = self.state
         if s.best_step is None or s.best_step == s.global_step:
             return
-        folder = self.output_dir / f"checkpoint-{s.best_step}"
+        folder = checkpoint.folder_at(self.output_dir, s.best_step)
         if not folder.is_dir():
             logger.warning("load_best_model_at_end: %s is gone; the output keeps the last weights", folder)
             return
@@ -580,7 +580,7 @@ class Trainer:
                                              is_main=self.is_main)
         if self.is_main:
             best = self.state.best_step
-            keep = self.output_dir / f"checkpoint-{best}" if best is not None else None
+            keep = checkpoint.folder_at(self.output_dir, best) if best is not None else None
             checkpoint.rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit, keep=keep)
         self.callbacks.on_save(self.state, path)
 

@@ -9,6 +9,7 @@ that mapping with the CLI's own validation and sorts its error onto the field it
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
@@ -19,7 +20,7 @@ import yaml
 
 from tuneforge.config import from_dict
 from tuneforge.config.loader import coerce, current_names, foreign_key
-from tuneforge.config.schema import GROUPS, RunConfig, key_index
+from tuneforge.config.schema import RunConfig, key_index, key_types
 from tuneforge.errors import ConfigError, TuneforgeError
 
 # shown first, above the groups: what a run needs before anything else
@@ -50,12 +51,13 @@ def _is_bool(tp: Any) -> bool:
     return bool in options and all(o in (bool, type(None)) for o in options)
 
 
-def field_specs() -> list[FieldSpec]:
-    """Every key of the schema, in the schema's order, grouped as the schema groups them."""
-    hints = {group: typing.get_type_hints(cls) for group, cls in GROUPS.items()}
+@functools.cache
+def field_specs() -> tuple[FieldSpec, ...]:
+    """Every key of the schema, in the schema's order, grouped as the schema groups them (computed once)."""
+    types_of = key_types()
     specs = []
     for key, (group, f) in key_index().items():
-        tp, choices = hints[group][key], f.metadata.get("choices")
+        tp, choices = types_of[key], f.metadata.get("choices")
         if choices is not None:
             spec = FieldSpec(key, group, "choice", _choice_text(_default(f)), f.metadata.get("help", ""),
                              tuple(_choice_text(c) for c in choices))
@@ -64,7 +66,7 @@ def field_specs() -> list[FieldSpec]:
         else:
             spec = FieldSpec(key, group, "text", value_text(_default(f)), f.metadata.get("help", ""))
         specs.append(spec)
-    return specs
+    return tuple(specs)
 
 
 def _choice_text(value: Any) -> str:
@@ -91,8 +93,7 @@ def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     specs = {s.key: s for s in field_specs()}
     values = {key: spec.default for key, spec in specs.items()}
     errors: dict[str, str] = {}
-    index = key_index()
-    hints = {group: typing.get_type_hints(cls) for group, cls in GROUPS.items()}
+    types_of = key_types()
     for key, value in current_names(raw, "the file").items():
         spec = specs.get(key)
         if spec is None:
@@ -101,7 +102,7 @@ def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
                 errors[key] = problem
             continue
         try:
-            typed = coerce(key, value, hints[index[key][0]][key])
+            typed = coerce(key, value, types_of[key])
         except ConfigError as e:
             errors[key] = str(e)
             continue
@@ -119,8 +120,7 @@ def from_form(values: dict[str, Any]) -> dict[str, Any]:
     as the command line parses `key=value` and typed as the schema types it (a value of the wrong type is kept as
     written, for `check` to name)."""
     raw: dict[str, Any] = {}
-    index = key_index()
-    hints = {group: typing.get_type_hints(cls) for group, cls in GROUPS.items()}
+    types_of = key_types()
     for spec in field_specs():
         if spec.key not in values:
             continue
@@ -137,7 +137,7 @@ def from_form(values: dict[str, Any]) -> dict[str, Any]:
         else:
             parsed = _parsed(text)
             try:
-                raw[spec.key] = coerce(spec.key, parsed, hints[index[spec.key][0]][spec.key])
+                raw[spec.key] = coerce(spec.key, parsed, types_of[spec.key])
             except ConfigError:
                 raw[spec.key] = parsed
     return raw

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuneforge.train.callbacks import TRAINER_LOG
+
 LAUNCH_RECORD = "webui_run.json"
 LOG_FILE = "webui_train.log"  # the training process's stdout and stderr
 STATUSES = ("running", "finished", "stopped", "failed", "unknown")
@@ -94,7 +96,7 @@ def _status(output_dir: Path, results: dict[str, Any], record: dict[str, Any]) -
 def run_state(output_dir: str | Path) -> RunState:
     """The state of the run writing to output_dir."""
     root = Path(output_dir)
-    rows = read_log(root / "trainer_log.jsonl")
+    rows = read_log(root / TRAINER_LOG)
     try:
         results = json.loads((root / "all_results.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -126,6 +128,6 @@ def find_runs(root: str | Path) -> list[RunState]:
     base = Path(root)
     if not base.is_dir():
         return []
-    folders = {p.parent for name in ("trainer_log.jsonl", LAUNCH_RECORD) for p in base.glob(f"**/{name}")
+    folders = {p.parent for name in (TRAINER_LOG, LAUNCH_RECORD) for p in base.glob(f"**/{name}")
                if "checkpoint-" not in p.parent.name}
     return [run_state(p) for p in sorted(folders, key=lambda p: p.stat().st_mtime, reverse=True)]
