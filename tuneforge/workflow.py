@@ -161,6 +161,7 @@ def run(cfg: RunConfig, ask: str | None = None) -> dict[str, Any]:
 
 def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
+    from tuneforge.data.template import record_thinking
     from tuneforge.model import load_model
     from tuneforge.model.multimodal import rope_positions
     from tuneforge.model.value_head import ValueHeadModel
@@ -194,8 +195,11 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     elif uses_reference(cfg):
         reference = strategy.place_reference(build_reference(cfg))  # FSDP shards it, ZeRO-3 partitions it
     objective = build_objective(cfg, reference, generate=rollout_generator(cfg, tokenizer, splits.processor))
-    # saved beside the model: the processor (its tokenizer included) of a vision- / audio-language model
+    # saved beside the model: the processor (its tokenizer included) of a vision- / audio-language model, its chat
+    # template recording enable_thinking when set
     files = splits.processor or tokenizer
+    for owner in (tokenizer,) if files is tokenizer else (tokenizer, files):
+        record_thinking(owner, cfg.data.enable_thinking)
     trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
     results = trainer.train()
     if ask:

@@ -128,6 +128,12 @@ class DataArgs:
     preprocessing_batch_size: int = opt(1000, help="rows per tokenization batch")
     skip_bad_rows: bool = opt(False, help="skip (and count) malformed rows instead of stopping")
     default_system: str | None = opt(help="system prompt for rows that have none")
+    enable_thinking: bool | None = opt(help="reasoning models: true trains / answers with thinking, false without "
+                                            "(answers' reasoning dropped, the template's empty thought in the prompt); "
+                                            "unset: the template's default (LlamaFactory's true) or, for chat / api / "
+                                            "eval / export, what the adapter was trained with; saved with the model")
+    preserve_thinking: bool = opt(False, help="reasoning models: passed to chat templates that can keep earlier "
+                                              "turns' reasoning")
     media_dir: str | None = opt(help="folder that relative image / video / audio paths start from (default: dataset_dir)")
 
 

@@ -89,7 +89,7 @@ def encode_prompts(
                 ids = template.render_prompt(tokenizer, chat, conv.chat_messages(), conv.tools)
             else:
                 conv.media = media.row_media(row, attr.columns)
-                ids, tensors = multimodal.prompt_inputs(processor, conv, media_settings, conv.tools)
+                ids, tensors = multimodal.prompt_inputs(processor, conv, media_settings, conv.tools, chat.kwargs)
                 if len(ids) <= budget:
                     blob = multimodal.pack_tensors(multimodal.stored_tensors(tensors, len(ids)), list(range(len(ids))))
         except BadRow as e:

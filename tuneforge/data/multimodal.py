@@ -185,15 +185,17 @@ def generate_inputs(blob: bytes | None) -> dict[str, Any]:
 
 
 def prompt_inputs(processor: Any, conv: Conversation, settings: media.MediaSettings,
-                  tools: list[dict[str, Any]] | None = None) -> tuple[list[int], dict[str, Any]]:
+                  tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None,
+                  ) -> tuple[list[int], dict[str, Any]]:
     """A conversation up to the assistant's next turn (generation prompt included) with its media: the token ids
-    and the processor's tensors for model.generate (chat, api). BadRow for a broken file or placeholder count."""
+    and the processor's tensors for model.generate (chat, api). options: the variables the chat template reads
+    (ChatTemplate.kwargs). BadRow for a broken file or placeholder count."""
     if settings.use_audio_in_video:
         conv = video_sound(conv, media.placeholders())
     place_media(conv, media.placeholders())
     try:
         text = processor.apply_chat_template(chat_messages(conv), tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **(options or {}))
     except Exception as e:  # templates raise for conversations they refuse
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
     out = process(processor, text, media.load_media(conv.media, settings, processor), settings)

@@ -54,7 +54,10 @@ class _Plan:
             encode.check_stage(attr, spec)
         self.encoder = get_encoder(spec.encoder)
         self._check_media(spec)
-        self.chat = template.resolve_template(cfg.model.template, processor or tokenizer) if self.encoder.chat else None
+        self.chat = template.resolve_template(
+            cfg.model.template, processor or tokenizer, enable_thinking=d.enable_thinking,
+            preserve_thinking=d.preserve_thinking,
+        ) if self.encoder.chat else None
         if processor is not None and self.chat is not None and self.chat.source is not None:
             raise DataError(f"template {cfg.model.template!r} is a text template; a vision- or audio-language model "
                             f"renders its media with its processor's own chat template: leave template unset")

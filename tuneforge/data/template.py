@@ -17,7 +17,9 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tuneforge.data.formats import BadRow, Conversation
@@ -159,17 +161,42 @@ FAMILY_TEMPLATES = frozenset(
 class ChatTemplate:
     name: str  # "tokenizer" for the tokenizer's own, else one of TEMPLATES
     source: str | None  # Jinja text of ours; None = the tokenizer's own
+    options: tuple[tuple[str, Any], ...] = ()  # variables the template reads (enable_thinking, preserve_thinking)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The options as apply_chat_template's keyword arguments."""
+        return dict(self.options)
+
+    @property
+    def thinking(self) -> bool | None:
+        """enable_thinking as given (None: the template's own default)."""
+        return self.kwargs.get("enable_thinking")
+
+    def saved_text(self, tokenizer: Any) -> str | None:
+        """The Jinja text a saved model carries: ours or the tokenizer's, recording enable_thinking."""
+        own = self.source if self.source is not None else getattr(tokenizer, "chat_template", None)
+        return with_thinking_recorded(own, self.thinking) if isinstance(own, str) else own
 
     def text(self, tokenizer: Any) -> str:
-        """The Jinja text, for the cache key."""
-        if self.source is not None:
-            return self.source
-        own = tokenizer.chat_template
-        return own if isinstance(own, str) else json.dumps(own, sort_keys=True)
+        """The Jinja text and its options, for the cache key."""
+        own = self.source if self.source is not None else tokenizer.chat_template
+        own = own if isinstance(own, str) else json.dumps(own, sort_keys=True)
+        return own + (json.dumps(self.kwargs, sort_keys=True) if self.options else "")
 
 
-def resolve_template(name: str | None, tokenizer: Any) -> ChatTemplate:
-    """The chat template for `template: name` (None: the tokenizer's own)."""
+def resolve_template(name: str | None, tokenizer: Any, *, enable_thinking: bool | None = None,
+                     preserve_thinking: bool = False) -> ChatTemplate:
+    """The chat template for `template: name` (None: the tokenizer's own), with the thinking options it is
+    rendered with (enable_thinking None: the template's default; preserve_thinking false is every template's)."""
+    named = _resolve_name(name, tokenizer)
+    options = {"enable_thinking": enable_thinking} if enable_thinking is not None else {}
+    if preserve_thinking:
+        options["preserve_thinking"] = True
+    return ChatTemplate(named.name, named.source, tuple(options.items()))
+
+
+def _resolve_name(name: str | None, tokenizer: Any) -> ChatTemplate:
     has_own = bool(getattr(tokenizer, "chat_template", None))
     choices = ", ".join(TEMPLATES)
     if name is None:
@@ -214,7 +241,8 @@ def _render(
 ) -> str:
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=template.source, tokenize=False, add_generation_prompt=gen
+            messages, tools=tools, chat_template=template.source, tokenize=False, add_generation_prompt=gen,
+            **template.kwargs,
         )
     except Exception as e:  # templates raise for conversations they refuse (e.g. raise_exception)
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
@@ -239,6 +267,8 @@ def render(
     tokenizer: a tokenizer or a processor (anything with apply_chat_template); messages: the conversation's
     messages as that template takes them (default: text contents, conv.chat_messages())."""
     messages = messages if messages is not None else conv.chat_messages()
+    if template.thinking is False:  # trained to answer without thinking: no reasoning is learned
+        messages = [without_reasoning(m) if m["role"] == "assistant" else m for m in messages]
     tools = parse_tools(conv.tools)
     full = _render(tokenizer, template, messages, tools, False)
     spans: list[tuple[int, int]] = []
@@ -254,6 +284,62 @@ def render(
         spans.append((start, end))
         cursor = end
     return full, spans
+
+
+_THOUGHT = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message without its reasoning (a `<think>...</think>` part of its text, reasoning_content)."""
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    content = out.get("content")
+    if isinstance(content, str):
+        out["content"] = _THOUGHT.sub("", content)
+    elif isinstance(content, list):
+        out["content"] = [{**p, "text": _THOUGHT.sub("", p["text"])} if p.get("type") == "text" else p for p in content]
+    return out
+
+
+# A saved chat template starts with this line when training set enable_thinking: the model then answers as it was
+# trained (with or without thinking) wherever its template is rendered without the option (transformers, vLLM,
+# Ollama), and tuneforge reads the line back for an adapter.
+_THINKING_LINE = "{%- if enable_thinking is not defined %}{%- set enable_thinking = VALUE %}{%- endif %}\n"
+_RECORDED = re.compile(re.escape(_THINKING_LINE).replace("VALUE", "(true|false)"))
+
+
+def with_thinking_recorded(source: str, thinking: bool | None) -> str:
+    """The chat template's text, its first line recording enable_thinking (unchanged when thinking is None or
+    the template does not read the option)."""
+    source = _RECORDED.sub("", source, count=1) if _RECORDED.match(source) else source
+    if thinking is None or "enable_thinking" not in source:
+        return source
+    return _THINKING_LINE.replace("VALUE", str(thinking).lower()) + source
+
+
+def saved_chat_template(folder: str | Path) -> str | None:
+    """The chat template saved in a folder (chat_template.jinja, else tokenizer_config.json's), None if none."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        found = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        return found if isinstance(found, str) else None
+    return None
+
+
+def record_thinking(owner: Any, thinking: bool | None) -> None:
+    """Record enable_thinking in a tokenizer's / processor's own chat template, which is saved with the model (a
+    template of ours is written by export)."""
+    own = getattr(owner, "chat_template", None)
+    if isinstance(own, str):
+        owner.chat_template = with_thinking_recorded(own, thinking)
+
+
+def recorded_thinking(source: str | None) -> bool | None:
+    """The enable_thinking a saved chat template records (None: none)."""
+    found = _RECORDED.match(source) if isinstance(source, str) else None
+    return None if found is None else found.group(1) == "true"
 
 
 def _text_of(content: str | list[dict[str, Any]]) -> str:

@@ -73,7 +73,7 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
                 if processor is not None:
                     conv.media = media.row_media(row, attr.columns)
                     ids, tensors = multimodal.prompt_inputs(processor, conv, settings,
-                                                            tools=parse_tools(conv.tools))
+                                                            tools=parse_tools(conv.tools), options=template.kwargs)
                     samples.append(Sample(ids, label, tensors))
                     continue
                 ids = render_prompt(tokenizer, template, conv.chat_messages(), tools=conv.tools)

@@ -116,7 +116,7 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
         check_tokenizer(tokenizer, cfg.source)
     template = chat_template(cfg, processor or tokenizer)  # a bad template name fails here, before the weights load
     stops = end_of_turn(tokenizer, template, processor)
-    turns = derive_turns(tokenizer, template.source) if processor is None else None
+    turns = derive_turns(tokenizer, template.saved_text(tokenizer)) if processor is None else None
     dtype, device = export_dtype(cfg), _device(cfg)
 
     model = load_inference_model(cfg, device=device, dtype=dtype, merge=True, value_head=False)
@@ -137,6 +137,7 @@ def _stop_texts(tokenizer: Any, stops: Any) -> list[str]:
 
 def _write_hf(cfg, model, tokenizer, template, stops, turns, head, folder: Path, result: dict,
               processor: Any = None) -> list[str]:
+    from tuneforge.data.template import record_thinking
     from tuneforge.export.hf import generation_config, save_tokenizer, save_weights
     from tuneforge.export.modelfile import modelfile
     from tuneforge.model.value_head import VALUE_HEAD_FILE
@@ -146,9 +147,10 @@ def _write_hf(cfg, model, tokenizer, template, stops, turns, head, folder: Path,
     result["weights"] = save_weights(model, folder, max_shard_size=f"{e.export_size}GB",
                                      legacy=e.export_legacy_format)
     if processor is not None:  # the processor files, its tokenizer and chat template included
+        record_thinking(processor, template.thinking)
         processor.save_pretrained(folder)
         return ["no Modelfile: Ollama imports vision-language models from GGUF with a projector file"]
-    save_tokenizer(tokenizer, template.source, folder)
+    save_tokenizer(tokenizer, template.saved_text(tokenizer), folder)
     text, notes = modelfile(".", turns, system=cfg.data.default_system, stops=_stop_texts(tokenizer, stops),
                             gen=cfg.generate)
     (folder / "Modelfile").write_text(text, encoding="utf-8")
@@ -165,7 +167,7 @@ def _write_gguf(cfg, model, tokenizer, template, stops, turns, target: Path, fol
     e = cfg.export
     name = f"{target.name}-{e.export_gguf_type}.gguf"
     eot = next((i for i in stops.token_ids if i != tokenizer.eos_token_id), None)
-    write_gguf(model, tokenizer, template.source, folder / name, e.export_gguf_type, name=target.name, eot_id=eot)
+    write_gguf(model, tokenizer, template.saved_text(tokenizer), folder / name, e.export_gguf_type, name=target.name, eot_id=eot)
     text, notes = modelfile(f"./{name}", turns, system=cfg.data.default_system,
                             stops=_stop_texts(tokenizer, stops), gen=cfg.generate)
     (folder / "Modelfile").write_text(text, encoding="utf-8")

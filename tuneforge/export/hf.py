@@ -51,7 +51,7 @@ def save_weights(model: Any, folder: Path, *, max_shard_size: int | str, legacy:
 
 
 def save_tokenizer(tokenizer: Any, template_source: str | None, folder: Path) -> None:
-    """The tokenizer files; `template_source` (one of our named templates) becomes its chat_template."""
+    """The tokenizer files; `template_source` (ChatTemplate.saved_text) becomes its chat_template."""
     if template_source is not None:
         tokenizer.chat_template = template_source
     tokenizer.save_pretrained(folder)

@@ -126,11 +126,14 @@ class Engine:
         """The conversation rendered with the chat template, up to the assistant's turn, as token ids."""
         return self.prompt(messages, tools)[0]
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-               ) -> tuple[list[int], dict[str, Any]]:
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               options: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
         """(token ids, media inputs) of the conversation up to the assistant's turn. A message may carry `images`
         / `audios` (paths, URLs, {"bytes": ...} or PIL images) for a vision- / audio-language model, placed at its
-        <image> / <audio> placeholders (or before its text when it has none)."""
+        <image> / <audio> placeholders (or before its text when it has none). options: variables for the chat
+        template (e.g. enable_thinking) over the configured ones."""
+        chat = replace(self.template, options=tuple({**self.template.kwargs, **options}.items())) if options else \
+            self.template
         media = {kind: refs for kind in ("image", "audio")
                  if (refs := [ref for m in messages for ref in m.get(COLUMN_OF[kind]) or []])}
         if media and self.processor is None:
@@ -142,9 +145,9 @@ class Engine:
         try:
             with self._tokenizer_lock:
                 if self.processor is None:
-                    return render_prompt(self.tokenizer, self.template, messages, tools), {}
+                    return render_prompt(self.tokenizer, chat, messages, tools), {}
                 return prompt_inputs(self.processor, _conversation(messages, media), self.media,
-                                     parse_tools(tools) if isinstance(tools, str) else tools)
+                                     parse_tools(tools) if isinstance(tools, str) else tools, chat.kwargs)
         except TuneforgeError:
             raise
         except BadRow as e:

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tuneforge.data.multimodal import generate_inputs, left_padded_media
-from tuneforge.data.template import ChatTemplate, render_prompt, resolve_template
+from tuneforge.data.template import (
+    ChatTemplate,
+    recorded_thinking,
+    render_prompt,
+    resolve_template,
+    saved_chat_template,
+)
 from tuneforge.errors import DataError
 
 if TYPE_CHECKING:
@@ -34,8 +40,13 @@ class Stops:
 
 
 def chat_template(cfg: RunConfig, tokenizer: Any) -> ChatTemplate:
-    """The template training used: cfg.model.template, else the tokenizer's own."""
-    return resolve_template(cfg.model.template, tokenizer)
+    """The template training used: cfg.model.template, else the tokenizer's own; with enable_thinking as set, else
+    as the last adapter was trained (recorded in the chat template saved with it)."""
+    thinking = cfg.data.enable_thinking
+    if thinking is None and cfg.model.adapter_name_or_path:
+        thinking = recorded_thinking(saved_chat_template(cfg.model.adapter_name_or_path[-1]))
+    return resolve_template(cfg.model.template, tokenizer, enable_thinking=thinking,
+                            preserve_thinking=cfg.data.preserve_thinking)
 
 
 def end_of_turn(tokenizer: Any, template: ChatTemplate, processor: Any = None) -> Stops:
@@ -45,9 +56,10 @@ def end_of_turn(tokenizer: Any, template: ChatTemplate, processor: Any = None) -
     try:
         if processor is not None:
             parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
-            text = processor.apply_chat_template(parts, tokenize=False)
+            text = processor.apply_chat_template(parts, tokenize=False, **template.kwargs)
         else:
-            text = tokenizer.apply_chat_template(messages, chat_template=template.source, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, chat_template=template.source, tokenize=False,
+                                                 **template.kwargs)
     except Exception as e:  # a template may refuse this conversation; eos still stops
         raise DataError(f"the chat template cannot render a one-turn conversation: {e}") from None
     marker = text[text.find(_ANSWER) + len(_ANSWER):].strip() if _ANSWER in text else ""
@@ -100,7 +112,7 @@ def answer(model: Any, tokenizer: Any, template: ChatTemplate, question: str, *,
         from tuneforge.data.multimodal import prompt_inputs
 
         prompt, tensors = prompt_inputs(processor, Conversation(system=system, messages=messages[-1:]),
-                                        MediaSettings())
+                                        MediaSettings(), options=template.kwargs)
         extra = {k: v.to(device) for k, v in tensors.items()}
     else:
         prompt = render_prompt(tokenizer, template, messages)

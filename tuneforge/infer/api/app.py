@@ -105,7 +105,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         tools = template_tools([t.model_dump() for t in body.tools]) if body.tools else None
         messages = template_messages([m.model_dump() for m in body.messages], syntax,
                                      default_system=engine.default_system, media_root=engine.media_root)
-        ids, media = await run_in_threadpool(engine.prompt, messages, tools)
+        ids, media = await run_in_threadpool(engine.prompt, messages, tools, body.chat_template_kwargs)
         params = engine.sampling(
             len(ids), max_tokens=body.answer_limit, n=body.n, temperature=body.temperature, top_p=body.top_p,
             stop=body.stop, seed=body.seed,

@@ -72,6 +72,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (vLLM's name), e.g. enable_thinking
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
