@@ -129,6 +129,8 @@ def cmd_train(args) -> int:
     if "answers" in r:
         a = r["answers"]
         print(f"\nQ: {a['question']}\nbefore training: {a['before']}\nafter training:  {a['after']}")
+    if "predict" in r:  # do_predict beside do_train
+        print("\n" + "\n".join(r["predict"].get("summary", [])))
     return 0
 
 

@@ -88,7 +88,7 @@ def train(cfg: RunConfig, ask: str | None = None, argv: list[str] | None = None)
     from tuneforge.train.ray_launch import run_on_ray
 
     if ray_requested(cfg):  # the same run in Ray Train workers; rank 0's results come back
-        return run_on_ray(cfg, run, ask=ask)
+        return _then_predict(cfg, run_on_ray(cfg, run, ask=ask))
     plan = launch_plan()
     if plan is not None:
         if argv is not None:
@@ -96,9 +96,24 @@ def train(cfg: RunConfig, ask: str | None = None, argv: list[str] | None = None)
         else:
             with _config_file(cfg) as path:
                 relaunch(plan, ["train", str(path), *(["--ask", ask] if ask else [])])
+        for line in (_then_predict(cfg, {}).get("predict") or {}).get("summary", []):
+            logger.info("%s", line)  # the training processes have ended; this one predicts, as one process
         return None
-    results = run(cfg, ask=ask)
-    return results if os.environ.get("RANK", "0") == "0" else None
+    if os.environ.get("RANK", "0") != "0":
+        run(cfg, ask=ask)
+        return None
+    return _then_predict(cfg, run(cfg, ask=ask))
+
+
+def _then_predict(cfg: RunConfig, results: dict[str, Any]) -> dict[str, Any]:
+    """do_predict beside do_train (LlamaFactory's way): after training, answers generated for the eval rows with
+    the trained model and scored, under results["predict"]. Under torchrun this runs on rank 0's launcher alone."""
+    if cfg.train.do_predict and os.environ.get("LOCAL_RANK") is None and results.get("status", "completed") == "completed":
+        from tuneforge.eval import evaluate
+        from tuneforge.model.inference import use_trained_output
+
+        results["predict"] = evaluate(use_trained_output(cfg))
+    return results
 
 
 def check_request(cfg: RunConfig, ask: str | None) -> None:

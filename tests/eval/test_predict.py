@@ -69,3 +69,29 @@ def test_llamafactory_predict_config(tiny_cfg, alpaca_dir, home, tmp_path):
         assert abs(saved[f"predict_{name}"] - value) < 1e-4
     assert saved["predict_samples"] == 3 and saved["predict_runtime"] > 0 and "predict_samples_per_second" in saved
     assert result["kind"] == "predict" and result["summary"][0].startswith("predict_bleu-4 ")
+
+
+def test_a_file_that_only_sets_do_predict_or_do_eval_does_not_train():
+    from tuneforge.config.loader import build
+
+    assert build({"do_predict": True}).train.do_train is False  # LlamaFactory's do_train defaults to false
+    assert build({"do_eval": True}).train.do_train is False
+    assert build({"do_eval": True, "do_train": True}).train.do_train is True
+    assert build({}).train.do_train is True  # a training file need not say so
+
+
+def test_do_predict_beside_do_train_predicts_with_the_trained_adapter(tiny_cfg, alpaca_dir, home, tmp_path, capsys):
+    from tuneforge.cli import main
+
+    out = tmp_path / "out"
+    keys = dict(model_name_or_path=str(tiny_cfg().model.model_name_or_path), stage="sft", do_train=True,
+                do_predict=True, predict_with_generate=True, dataset="tiny_alpaca", eval_dataset="tiny_alpaca",
+                dataset_dir=str(alpaca_dir), output_dir=str(out), max_steps=1, save_strategy="no",
+                per_device_train_batch_size=2, do_sample=False, max_new_tokens=4, disable_tqdm=True)
+    config = tmp_path / "run.yaml"
+    config.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in keys.items()))
+    assert main(["train", str(config)]) == 0
+    assert (out / "adapter_config.json").is_file()  # trained ...
+    lines = [json.loads(x) for x in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert [x["label"] for x in lines] == [r["output"] for r in ALPACA_ROWS]  # ... then predicted
+    assert "predict_bleu-4" in capsys.readouterr().out

@@ -201,6 +201,11 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
             logger.debug("%s: key '%s' accepted and ignored (%r)", source, key, value)
         else:
             raise ConfigError(f"{source}: {problem}", key=key)
+    train = values["train"]
+    if "do_train" not in train and (train.get("do_eval") or train.get("do_predict")):
+        # LlamaFactory's do_train defaults to false: a file that asks only to evaluate or predict does just that
+        train["do_train"] = False
+        logger.info("%s: do_eval / do_predict set without do_train: evaluating, not training", source)
     groups = {g: cls(**values[g]) for g, cls in GROUPS.items()}
     return RunConfig(**groups, source=source)
 
