@@ -215,7 +215,8 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     files = splits.processor or tokenizer
     for owner in (tokenizer,) if files is tokenizer else (tokenizer, files):
         record_thinking(owner, cfg.data.enable_thinking)
-    trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy)
+    trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy,
+                      eval_parts=splits.stats.get("eval_parts"))
     results = trainer.train()
     if ask:
         after = ask_model(cfg, model, tokenizer, ask, splits.processor)

@@ -102,7 +102,6 @@ NOT_YET: dict[str, Any] = {
     'streaming': False,
     'buffer_size': 16384,
     'eval_num_beams': None,
-    'eval_on_each_dataset': False,
     'tool_format': None,
     'oft_block_share': False,
     'module_dropout': 0.0,

@@ -111,6 +111,7 @@ class MethodArgs:
 class DataArgs:
     dataset: list[str] | None = opt(help="dataset name(s) from dataset_info.json, comma-separated")
     eval_dataset: list[str] | None = opt(help="evaluation dataset name(s)")
+    eval_on_each_dataset: bool = opt(False, help="evaluate each eval_dataset apart too (eval_<name>_loss, ...)")
     dataset_dir: str = opt("data", help="folder holding dataset_info.json")
     cutoff_len: int = opt(2048, help="maximum tokens per sample (or per packed row)")
     max_samples: int | None = opt(help="use at most this many rows of each dataset")

@@ -8,6 +8,7 @@ the preference stages never do, their objectives compare whole sequences.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -111,6 +112,7 @@ class _Plan:
             "interleave_probs": d.interleave_probs,
             "seed": t.seed,
             "default_system": d.default_system,
+            "eval_on_each_dataset": d.eval_on_each_dataset,
             "skip_bad_rows": d.skip_bad_rows,
             "completion_room": self.settings.completion_room,
         }
@@ -313,12 +315,18 @@ def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     train = (
         _mix(plan, [_encode_dataset(plan, a, stats) for a in plan.train_attrs]) if plan.train_attrs else None
     )
-    evaluation = None
+    evaluation = eval_rows = None
     if plan.eval_attrs:
         import datasets
 
         parts = [_encode_dataset(plan, a, stats) for a in plan.eval_attrs]
         evaluation = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+        if d.eval_on_each_dataset:  # each dataset's rows built apart (never packed together), then listed
+            rows = [_rows(plan, part, f"eval-{a.name}") for a, part in zip(plan.eval_attrs, parts, strict=True)]
+            eval_rows = datasets.concatenate_datasets(rows) if len(rows) > 1 else rows[0]
+            ends = list(itertools.accumulate(len(r) for r in rows))
+            stats["eval_parts"] = {a.name: [end - len(r), end]
+                                   for a, r, end in zip(plan.eval_attrs, rows, ends, strict=True)}
         if d.val_size > 0:
             logger.warning("eval_dataset is set, so val_size %s is ignored", d.val_size)
     elif d.val_size > 0 and train is not None:
@@ -333,7 +341,7 @@ def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
             "eval_samples": len(evaluation) if evaluation is not None else 0,
         }
     )
-    splits = {"train": _rows(plan, train, "train"), "eval": _rows(plan, evaluation, "eval")}
+    splits = {"train": _rows(plan, train, "train"), "eval": eval_rows if eval_rows is not None else _rows(plan, evaluation, "eval")}
     for name, ds in splits.items():
         if ds is not None:
             counts = _token_counts(ds, plan.encoder.sequences)

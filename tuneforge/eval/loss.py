@@ -42,6 +42,10 @@ def token_loss(model: torch.nn.Module, rows: Any, collator: Any, batch_size: int
     return loss_sum, units
 
 
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
     """eval_loss, perplexity, eval_tokens, eval_samples of cfg's model on its eval data -> eval_results.json."""
     import json
@@ -70,19 +74,28 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
     collator = Collator(tokenizer.pad_token_id, batch_layout(cfg, splits),  # padded, packed as the data is
                         rope=rope_positions(model) if splits.processor is not None else None)
     started = time.perf_counter()
-    loss_sum, units = token_loss(model, rows, collator, cfg.train.per_device_eval_batch_size)
+    # eval_on_each_dataset: each eval dataset's rows apart (training's eval_<name>_ figures), then all together
+    parts = splits.stats.get("eval_parts") if splits.eval is not None else None
+    sums = {name: token_loss(model, rows.select(range(start, stop)), collator, cfg.train.per_device_eval_batch_size)
+            for name, (start, stop) in (parts or {"": (0, len(rows))}).items()}
     runtime = time.perf_counter() - started
+    loss_sum, units = sum(s for s, _ in sums.values()), sum(u for _, u in sums.values())
     if units == 0:
         raise DataError(f"{cfg.source}: the evaluation rows have no supervised tokens (every label is -100)")
     loss = loss_sum / units
     results = {
         "eval_loss": loss,
-        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "perplexity": _perplexity(loss),
         "eval_tokens": units,
         "eval_samples": len(rows),
         "eval_runtime": round(runtime, 3),
         "eval_samples_per_second": round(len(rows) / runtime, 3) if runtime > 0 else 0.0,
     }
+    for name, (part_sum, part_units) in sums.items() if parts else ():
+        if part_units:
+            results.update({f"eval_{name}_loss": part_sum / part_units,
+                            f"eval_{name}_perplexity": _perplexity(part_sum / part_units)})
+        results[f"eval_{name}_tokens"] = part_units
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS_FILE
     path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

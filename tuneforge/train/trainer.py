@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -221,6 +221,15 @@ def add_into(sums: dict[str, Any], values: Mapping[str, Any]) -> None:
         sums[key] = sums.get(key, 0.0) + value
 
 
+def merge_sums(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """Grouped sums (sums_over_ranks' shape) added up group by group, key by key."""
+    out: dict[str, dict[str, float]] = {}
+    for part in parts:
+        for group, values in part.items():
+            add_into(out.setdefault(group, {}), values)
+    return out
+
+
 def metric_means(metrics: Mapping[str, float], counts: Mapping[str, float], units: float) -> dict[str, float]:
     """Each metric's sum divided by its own count when it has one (a subset metric), else by the units.
 
@@ -251,7 +260,9 @@ class Trainer:
         *,
         strategy: Strategy | None = None,
         callbacks: Sequence[_callbacks.Callback] = (),
+        eval_parts: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
+        """eval_parts: name -> [start, stop) rows of eval_dataset evaluated apart too (eval_on_each_dataset)."""
         if collator is None:
             raise TypeError(
                 "Trainer needs a collator (rows -> dict of tensors), e.g. tuneforge.data's Collator"
@@ -259,6 +270,7 @@ class Trainer:
         t = cfg.train
         self.cfg, self.model, self.tokenizer, self.objective = cfg, model, tokenizer, objective
         self.train_dataset, self.eval_dataset, self.collator = train_dataset, eval_dataset, collator
+        self.eval_parts = dict(eval_parts or {})
         # rollouts and other work before the forward, under no_grad: per micro-batch or for the whole step
         self.prepare = getattr(objective, "prepare", None)
         self.prepare_step = getattr(objective, "prepare_step", None)
@@ -480,18 +492,32 @@ class Trainer:
     # ---- evaluation -----------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """eval_loss (the mean over all eval units, e.g. tokens), perplexity, and the objective's metrics."""
+        """eval_loss (the mean over all eval units, e.g. tokens), perplexity, and the objective's metrics; with
+        eval_parts, the same for each part too, named eval_<part>_loss, eval_<part>_perplexity, ..."""
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             raise DataError(f"{self.cfg.source}: there is no evaluation data; set val_size or eval_dataset")
         was_training = self.model.training
         self.model.eval()
+        parts = self.eval_parts or {"": (0, len(self.eval_dataset))}
+        sums = {name: self._eval_sums(start, stop) for name, (start, stop) in parts.items()}
+        self.model.train(was_training)
+        metrics = self._eval_metrics(merge_sums(sums.values()), "eval_dataset / val_size")
+        if self.eval_parts:
+            for name, part in sums.items():
+                named = self._eval_metrics(part, f"eval dataset '{name}'")
+                metrics.update({f"eval_{name}_{k.removeprefix('eval_')}": v for k, v in named.items()})
+        return metrics
+
+    def _eval_sums(self, start: int, stop: int) -> dict[str, Any]:
+        """The loss sum, units and metric sums of eval rows [start, stop), over all ranks."""
         size = self.cfg.train.per_device_eval_batch_size
-        batches = eval_batches(len(self.eval_dataset), size, self.rank, self.world_size, self.same_eval_count)
+        batches = eval_batches(stop - start, size, self.rank, self.world_size, self.same_eval_count)
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for indices, counted in batches:
-            batch = self.collator([self.eval_dataset[i] for i in indices])
+            batch = self.collator([self.eval_dataset[start + i] for i in indices])
             if self.samples:  # the same seeds at every evaluation: the figures compare across steps
-                batch = self._prepared([batch], [[sample_seed(self.cfg.train.seed, "eval", i) for i in indices]])[0]
+                seeds = [sample_seed(self.cfg.train.seed, "eval", start + i) for i in indices]
+                batch = self._prepared([batch], [seeds])[0]
             with self._autocast():
                 out = self.strategy.eval_forward(self._to_device(batch))
             if not counted:
@@ -500,13 +526,14 @@ class Trainer:
             loss_sum += float(out.loss_sum)
             add_into(sums, out.metrics)
             add_into(counts, out.counts)
-        self.model.train(was_training)
-        reduced = sums_over_ranks({"eval": {"loss": loss_sum, "units": units}, "metrics": sums, "counts": counts},
-                                  self.device)
+        return sums_over_ranks({"eval": {"loss": loss_sum, "units": units}, "metrics": sums, "counts": counts},
+                               self.device)
+
+    def _eval_metrics(self, reduced: dict[str, Any], what: str) -> dict[str, float]:
         loss_sum, units = reduced["eval"]["loss"], reduced["eval"]["units"]
         if units == 0:
             raise DataError(
-                f"{self.cfg.source}: the evaluation data has no {self.objective.name} units "
+                f"{self.cfg.source}: the evaluation data ({what}) has no {self.objective.name} units "
                 f"(e.g. every label is -100); check eval_dataset / val_size"
             )
         metrics = {"eval_loss": loss_sum / units}
