@@ -178,7 +178,9 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.data.collate import Collator
     from tuneforge.data.template import record_thinking
     from tuneforge.model import load_model
+    from tuneforge.model.load import load_config, resolve_model_path
     from tuneforge.model.multimodal import rope_positions
+    from tuneforge.model.prequantized import check_prequantized
     from tuneforge.model.value_head import ValueHeadModel
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
@@ -191,7 +193,10 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
         "stage %s: encoder %s, objective %s, finetuning %s",
         stage.name, stage.encoder, objective_name, cfg.method.finetuning_type,
     )
-    # data first: a bad row or template fails before the weights load
+    # a checkpoint saved quantized that this run cannot train on fails first, then the data: a bad row or template
+    # fails before the weights load
+    check_prequantized(load_config(resolve_model_path(cfg.model), cfg.model), cfg.model.model_name_or_path,
+                       cfg.method.finetuning_type, cfg.model.quantization_bit)
     tokenizer, splits = prepare_data(cfg)
     check_reward_columns(cfg, splits)
     model = load_model(cfg)  # logs what it loaded and the trainable-parameter count

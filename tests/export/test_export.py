@@ -104,14 +104,16 @@ def test_legacy_format_writes_pytorch_model_bin(make_cfg, tiny_model_dir, lora_d
                                atol=1e-4, rtol=0)
 
 
-def test_quantized_base_is_refused_with_what_to_do(make_cfg, monkeypatch):
-    from tuneforge.model import inference
+def test_a_qlora_config_merges_into_the_full_precision_base(make_cfg, tmp_path, caplog):
+    from safetensors.torch import load_file
 
-    monkeypatch.setattr(inference, "load_inference_model", lambda *a, **k: pytest.fail("weights loaded"))
-    with pytest.raises(ConfigError) as e:
-        export_model(make_cfg(quantization_bit=4))
-    message = str(e.value)
-    assert "quantization_bit 4" in message and "Drop quantization_bit" in message and "q8_0" in message
+    with caplog.at_level("INFO", logger="tuneforge.export"):
+        export_model(make_cfg(quantization_bit=4, export_dir=str(tmp_path / "from-qlora")))
+    assert "merging into the full-precision base" in caplog.text
+    export_model(make_cfg(export_dir=str(tmp_path / "plain")))
+    merged, plain = (load_file(tmp_path / d / "model.safetensors") for d in ("from-qlora", "plain"))
+    assert merged.keys() == plain.keys() and all(torch.equal(merged[k], plain[k]) for k in plain)
+    assert "quantization_config" not in json.loads((tmp_path / "from-qlora" / "config.json").read_text())
 
 
 @pytest.mark.parametrize(("keys", "words"), [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,18 +60,18 @@ def _check(cfg: RunConfig) -> tuple[Path, list[Path], Path | None]:
     e, src = cfg.export, cfg.source
     if not e.export_dir:
         raise ConfigError(f"{src}: export_dir is required (the folder the exported model goes to)")
-    if cfg.model.quantization_bit is not None:
-        raise ConfigError(
-            f"{src}: quantization_bit {cfg.model.quantization_bit}: an adapter cannot be merged into a quantized "
-            f"base. Drop quantization_bit: the adapter trained on the quantized base applies to the full-precision "
-            f"base, and the merged model can then be quantized, e.g. export_format: gguf with export_gguf_type: q8_0"
-        )
     if e.export_size < 1:
         raise ConfigError(f"{src}: export_size must be >= 1 (the largest shard, in GB; got {e.export_size})")
     from tuneforge.model.inference import adapter_folders, value_head_folder
-    from tuneforge.model.load import resolve_model_path
+    from tuneforge.model.load import load_config, resolve_model_path
+    from tuneforge.model.prequantized import quant_method, saved_quantization
 
     sources = [resolve_model_path(cfg.model), *adapter_folders(cfg)]
+    saved = saved_quantization(load_config(sources[0], cfg.model))
+    if saved is not None and len(sources) > 1:
+        raise ConfigError(f"{src}: {sources[0]} is saved quantized ({quant_method(saved)}), and an adapter cannot be "
+                          f"merged into quantized weights; set model_name_or_path to the unquantized model the "
+                          f"quantized one was made from (the adapter applies to it)", key="model_name_or_path")
     head = value_head_folder(cfg)
     if head is not None and e.export_format == "gguf":
         raise ConfigError(f"{src}: {head} is a reward model (it has a value head), which a GGUF file cannot carry; "
@@ -101,6 +102,12 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
     from tuneforge.model.load import load_config, load_model_processor, load_tokenizer
 
     e = cfg.export
+    if cfg.model.quantization_bit is not None:
+        # a QLoRA run's config, as it is: its adapter applies to the full-precision base, which takes the merge
+        logger.info("quantization_bit %s: merging into the full-precision base (a quantized base cannot take a "
+                    "merge); quantize the merged model afterwards, e.g. export_format: gguf with export_gguf_type: "
+                    "q8_0", cfg.model.quantization_bit)
+        cfg = replace(cfg, model=replace(cfg.model, quantization_bit=None))
     target, sources, head = _check(cfg)
     processor = load_model_processor(cfg.model)  # a vision- / audio-language model's, written beside it
     if e.export_format == "gguf":

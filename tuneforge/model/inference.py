@@ -26,6 +26,7 @@ from tuneforge.model.load import (
     quantization_config,
     resolve_model_path,
 )
+from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.value_head import VALUE_HEAD_FILE, attach_value_head
 
 if TYPE_CHECKING:
@@ -108,14 +109,17 @@ def load_inference_model(
         raise ConfigError(f"{where} has no {VALUE_HEAD_FILE}: point the config at the output folder of a stage rm "
                           f"run (adapter_name_or_path for lora / oft, model_name_or_path for full / freeze)")
     dtype = dtype or inference_dtype(cfg, device)
-    quant = quantization_config(m, dtype)
-    if quant is not None and len(adapters) > 1:
-        raise ConfigError(f"quantization_bit {m.quantization_bit}: a quantized base cannot take merged adapters, "
-                          f"so only one adapter can be applied (got {len(adapters)}); drop quantization_bit")
-    model = _from_pretrained(path, load_config(path, m), m, dtype=dtype, quant=quant, device=device)
+    config = load_config(path, m)
+    saved = check_prequantized(config, path, device=device)
+    quant = quantization_config(m, dtype) if saved is None else None
+    if (quant is not None or saved is not None) and len(adapters) > 1:
+        what = f"quantization_bit {m.quantization_bit}" if saved is None else f"{path} is saved quantized ({saved})"
+        raise ConfigError(f"{what}: a quantized base cannot take merged adapters, so only one adapter can be applied "
+                          f"(got {len(adapters)}); use the unquantized base")
+    model = _from_pretrained(path, config, m, dtype=dtype, quant=quant, device=device)
     for folder in adapters:
         model = load_adapter(model, folder, trainable=False)
-        if merge and quant is None:
+        if merge and quant is None and saved is None:
             model = model.merge_and_unload()
     model.requires_grad_(False)
     model.eval()

@@ -14,6 +14,7 @@ from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, load_adapter, upcast_trainable_params
 from tuneforge.model.hub import resolve, resolve_adapter
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
+from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
         device = torch.device("cuda", torch.cuda.current_device())
     path = resolve_model_path(m)
     config = load_config(path, m)
+    saved = check_prequantized(config, path, method.finetuning_type, m.quantization_bit, device)
     run_dtype = compute_dtype(cfg.train)
     # full fine-tuning trains (and so keeps in fp32) every weight: load it in fp32 directly
     load_dtype = torch.float32 if method.finetuning_type == "full" else run_dtype
@@ -125,7 +127,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
     _use_packed_sdpa(model, cfg)
-    if quant is not None:
+    if quant is not None or saved is not None:
         _prepare_quantized(model)
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -136,7 +138,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
         "loaded %s: dtype %s (trainable params fp32), attention %s, quantization %s, finetuning %s, "
         "gradient checkpointing %s, device %s",
         path, str(load_dtype).removeprefix("torch."), attention.describe(model.config._attn_implementation),
-        _describe_quant(m), method.finetuning_type, "off" if m.disable_gradient_checkpointing else "on", device,
+        f"{saved} (saved so)" if saved else _describe_quant(m), method.finetuning_type, "off" if m.disable_gradient_checkpointing else "on", device,
     )
     logger.info("%s", describe_trainable(model))
     return model
