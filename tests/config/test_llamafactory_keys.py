@@ -76,3 +76,11 @@ def test_allow_extra_args_lets_unknown_keys_through_with_a_warning(monkeypatch, 
     assert "unknown key 'my_own_key' ignored (ALLOW_EXTRA_ARGS is set)" in caplog.text
     with pytest.raises(ConfigError, match="not supported by tuneforge yet"):  # a key that would change the result
         build({"use_unsloth": True})
+
+
+def test_a_key_tuneforge_cannot_honour_is_named_before_an_unknown_one():
+    # LlamaFactory's Megatron examples: the Megatron-Core keys are named as such, not as unknown
+    with pytest.raises(ConfigError, match="'tensor_model_parallel_size' is not supported by tuneforge yet"):
+        build({"my_extra": 1, "tensor_model_parallel_size": 4})
+    with pytest.raises(ConfigError, match="unknown key 'my_extra'"):
+        build({"my_extra": 1, "tensor_model_parallel_size": 1})

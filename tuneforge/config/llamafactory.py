@@ -59,6 +59,7 @@ IGNORED: dict[str, str] = {
     'restore_callback_states_from_checkpoint': 'a resumed run restores its whole state from the checkpoint',
     'skip_memory_metrics': 'peak memory is always reported',
     'use_kv_cache': 'generation always uses the KV cache',
+    'use_reentrant_gc': "gradient checkpointing is always torch's non-reentrant kind (the same gradients)",
 }
 # key -> LlamaFactory's default: the value at which the key changes nothing
 NOT_YET: dict[str, Any] = {
@@ -75,7 +76,6 @@ NOT_YET: dict[str, Any] = {
     'use_unsloth_gc': False,
     'enable_liger_kernel': False,
     'moe_aux_loss_coef': None,
-    'use_reentrant_gc': True,
     'upcast_layernorm': False,
     'upcast_lmhead_output': False,
     'train_from_scratch': False,
@@ -234,6 +234,34 @@ NOT_YET: dict[str, Any] = {
     'use_mca': False,
     'use_megatron_bridge': False,
     'use_v1_kernels': False,
+    # LlamaFactory's Megatron-Core arguments (use_megatron_bridge / use_mca: its Megatron examples carry them);
+    # tuneforge trains with DDP, FSDP2 or DeepSpeed, not Megatron-Core
+    'tensor_model_parallel_size': 1,
+    'pipeline_model_parallel_size': 1,
+    'expert_model_parallel_size': 1,
+    'context_parallel_size': 1,
+    'virtual_pipeline_model_parallel_size': None,
+    'sequence_parallel': False,
+    'recompute_granularity': None,
+    'recompute_method': None,
+    'recompute_num_layers': None,
+    'account_for_embedding_in_pipeline_split': None,
+    'account_for_loss_in_pipeline_split': None,
+    'bias_activation_fusion': None,
+    'apply_rope_fusion': None,
+    'masked_softmax_fusion': None,
+    'cross_entropy_loss_fusion': None,
+    'moe_grouped_gemm': None,
+    'moe_token_dispatcher_type': None,
+    'calculate_per_token_loss': None,
+    'use_distributed_optimizer': True,
+    'overlap_param_gather': True,
+    'overlap_grad_reduce': True,
+    'use_packed_sequences': False,
+    'mixed_precision': 'bf16_mixed',
+    'megatron_pretrained_checkpoint': None,
+    'export_hf_on_finish': False,
+    'extra_config': None,
 }
 NONE_WORDS = ("", "none", "null")
 

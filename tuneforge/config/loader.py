@@ -183,6 +183,7 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
     """A RunConfig from a flat mapping; unknown, unsupported and ill-typed keys raise ConfigError."""
     index, types_of = key_index(), key_types()
     values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+    unknown: ConfigError | None = None  # raised last: a known key's problem says more about the file
     for key, value in current_names(raw, source).items():
         if key in index:
             group, f = index[key]
@@ -199,8 +200,12 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
             values[group][key] = value
         elif (problem := foreign_key(key, value)) is None:
             logger.debug("%s: key '%s' accepted and ignored (%r)", source, key, value)
+        elif problem.startswith("unknown key"):
+            unknown = unknown or ConfigError(f"{source}: {problem}", key=key)
         else:
             raise ConfigError(f"{source}: {problem}", key=key)
+    if unknown is not None:
+        raise unknown
     train = values["train"]
     if "do_train" not in train and (train.get("do_eval") or train.get("do_predict")):
         # LlamaFactory's do_train defaults to false: a file that asks only to evaluate or predict does just that
