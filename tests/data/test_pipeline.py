@@ -176,3 +176,13 @@ def test_interleave_over_with_a_zero_share_is_refused(tokenizer, home, two_datas
             ),
             tokenizer,
         )
+
+
+def test_tokenizing_processes_are_capped_at_the_cores(monkeypatch):
+    from tuneforge.data.pipeline import worker_count
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert worker_count(16) == 2  # LlamaFactory's examples ask for 16
+    assert worker_count(2) == 2 and worker_count(1) is None and worker_count(None) is None
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    assert worker_count(16) is None  # one core: in this process

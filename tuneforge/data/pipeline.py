@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +34,17 @@ class DataSplits:
     eval: Any  # datasets.Dataset | None
     stats: dict[str, Any] = field(default_factory=dict)
     processor: Any = None  # the processor a vision- / audio-language model's rows were rendered with
+
+
+def worker_count(requested: int | None) -> int | None:
+    """preprocessing_num_workers, at most one process per CPU this process may use (more only share the cores,
+    each with its own copy of the tokenizer); None or 1: tokenize in this process."""
+    if requested is None or requested <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested > cores:
+        logger.info("preprocessing_num_workers %d: %d CPU core(s) here, so %d processes", requested, cores, cores)
+    return min(requested, cores) if cores > 1 else None
 
 
 class _Plan:
@@ -79,6 +91,7 @@ class _Plan:
                             f"{self.media_packing or 'the model was not checked'}; set packing: false")
         self.media = media.MediaSettings.from_config(cfg)
         self.media_files: set[Path] = set()  # filled while encoding: the cache checks them on each hit
+        self.workers = worker_count(d.preprocessing_num_workers)
         self.key = self._key()
 
     def _check_media(self, spec: Any) -> None:
@@ -120,7 +133,7 @@ class _Plan:
             material["processor"] = cache.processor_fingerprint(self.processor)
             material["media"] = self.media
         if self.encoder.batch_dependent:  # e.g. kto's KL pairs, drawn within each batch of each worker's shard
-            material["kl_batches"] = [d.preprocessing_batch_size, d.preprocessing_num_workers]
+            material["kl_batches"] = [d.preprocessing_batch_size, self.workers]
         return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def fingerprint(self, *parts: str) -> str:
@@ -173,7 +186,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         batched=True,
         with_indices=True,
         batch_size=d.preprocessing_batch_size,
-        num_proc=d.preprocessing_num_workers,
+        num_proc=plan.workers,
         remove_columns=raw.column_names,
         fn_kwargs=fn_kwargs,
         features=features,
@@ -274,7 +287,7 @@ def _rows(plan: _Plan, samples: Any, split: str) -> Any:
         return None
     d = plan.cfg.data
     kw = {
-        "num_proc": d.preprocessing_num_workers,
+        "num_proc": plan.workers,
         "batch_size": d.preprocessing_batch_size,
         "fingerprint": plan.fingerprint(split, "rows"),
     }
