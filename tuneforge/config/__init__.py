@@ -31,7 +31,10 @@ def load(path: str | Path | None, overrides: list[str] | None = None, *, for_tra
     raw = read_file(path) if path is not None else {}
     source = str(path) if path is not None else "<overrides>"
     if llamafactory_v1.is_v1(raw):
-        raw = llamafactory_v1.flatten(llamafactory_v1.with_overrides(raw, parse_overrides(overrides or [])), source)
-    else:
-        raw.update(parse_overrides(overrides or []))
+        flat = llamafactory_v1.flatten(llamafactory_v1.with_overrides(raw, parse_overrides(overrides or [])), source)
+        cfg = build(flat, source)
+        llamafactory_v1.fit_processes(cfg)
+        validate(cfg, for_training=for_training)
+        return cfg
+    raw.update(parse_overrides(overrides or []))
     return from_dict(raw, source=source, for_training=for_training)

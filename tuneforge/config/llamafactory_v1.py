@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuneforge.config import v1_datasets
+from tuneforge.config.processes import planned_processes
+from tuneforge.config.schema import RunConfig
 from tuneforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -336,6 +338,14 @@ def flatten(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
+def fit_processes(cfg: RunConfig) -> None:
+    """v1 runs dist_config fsdp2 on one process too (sharding over one rank changes nothing); tuneforge's fsdp
+    refuses one process, so a v1 run on one process trains unsharded, as it would under v1."""
+    if cfg.train.fsdp and planned_processes(cfg) == 1:
+        logger.info("%s: dist_config fsdp2 on one process shards nothing: training unsharded", cfg.source)
+        cfg.train.fsdp, cfg.train.fsdp_config = None, None
+
+
 def _stage(raw: dict[str, Any], source: str) -> str:
     """v1's command picks the stage; without one: dpo for preference pairs, rm for a model_class cls, else sft."""
     if raw.get("model_class") == "cls":
@@ -353,6 +363,6 @@ def documented_rules() -> dict[str, str]:
     out = {key: rule.doc for key, rule in TOP.items()}
     for key, plugins in PLUGINS.items():
         out[f"{key}.name"] = ", ".join(plugins) or f"none ({PLUGIN_ADVICE[key]})"
-        for name, (rules, _) in plugins.items():
+        for rules, _ in plugins.values():
             out.update({f"{key}.{sub}": rule.doc for sub, rule in rules.items()})
     return out

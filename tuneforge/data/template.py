@@ -239,6 +239,10 @@ def render(
     tokenizer: a tokenizer or a processor (anything with apply_chat_template); messages: the conversation's
     messages as that template takes them (default: text contents, conv.chat_messages())."""
     messages = messages if messages is not None else conv.chat_messages()
+    if any(m.get("reasoning_content") for m in messages):  # LlamaFactory v1's reasoning parts
+        from tuneforge.data.v1 import fold_reasoning
+
+        messages = fold_reasoning(messages, "reasoning_content" in template.text(tokenizer))
     tools = parse_tools(conv.tools)
     full = _render(tokenizer, template, messages, tools, False)
     spans: list[tuple[int, int]] = []
