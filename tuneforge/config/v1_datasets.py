@@ -23,9 +23,12 @@ ENTRY_KEYS = ("path", "source", "split", "converter", "size", "weight", "streami
 PAIR_COLUMNS = ("chosen_messages", "rejected_messages")
 
 
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow", ".txt")
+
+
 def is_v1_dataset(name: str) -> bool:
-    """Whether a `dataset` value names a v1 spec YAML or a data file / folder (not a dataset_info.json name)."""
-    return name.endswith(SPEC_SUFFIXES) or Path(name).exists()
+    """Whether a `dataset` value names a v1 spec YAML or a data file (a dataset_info.json name wins over a file)."""
+    return name.endswith(SPEC_SUFFIXES) or (name.endswith(DATA_SUFFIXES) and Path(name).is_file())
 
 
 def _found(path: str, spec_dir: Path | None) -> str:

@@ -208,7 +208,7 @@ def get_dataset_attrs(names: list[str] | None, dataset_dir: str | Path) -> list[
     info = read_dataset_info(dataset_dir) if not all(is_v1_dataset(n) for n in names) else {}
     attrs = []
     for name in names:
-        if is_v1_dataset(name):
+        if name not in info and is_v1_dataset(name):
             from tuneforge.data import v1
 
             attrs += v1.dataset_attrs(name)
