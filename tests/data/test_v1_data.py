@@ -101,11 +101,17 @@ def test_a_v1_preference_row_encodes_like_the_same_v0_row(tokenizer, home, tmp_p
     (tmp_path / "dataset_info.json").write_text(json.dumps({"v0": {
         "file_name": "v0.json", "formatting": "openai", "ranking": True,
         "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected"}}}))
+    # the same pairs as v1's `pair` converter reads them: chosen / rejected lists of plain messages, via a spec
+    pair_rows = [{side: [{"role": m["role"], "content": "".join(p["value"] for p in m["content"])}
+                         for m in row[f"{side}_messages"]] for side in ("chosen", "rejected")} for row in rows]
+    write_rows(tmp_path / "pair.jsonl", pair_rows)
+    (tmp_path / "spec.yaml").write_text("orca:\n  path: pair.jsonl\n  source: local\n  converter: pair\n")
     ours = build(make_cfg(tmp_path, dataset=v1_file, stage="dpo"), tokenizer).train
+    converted = build(make_cfg(tmp_path, dataset=str(tmp_path / "spec.yaml"), stage="dpo"), tokenizer).train
     reference = build(make_cfg(tmp_path, dataset="v0", stage="dpo"), tokenizer).train
-    assert len(ours) == len(reference) == 3
-    for a, b in zip(ours, reference, strict=True):
-        assert a == b
+    assert len(ours) == len(converted) == len(reference) == 3
+    for a, c, b in zip(ours, converted, reference, strict=True):
+        assert a == b and c == b
         assert any(label != IGNORE_INDEX for label in a["chosen_labels"])
 
 
@@ -147,8 +153,12 @@ def test_v1_image_parts_render_like_the_same_v0_row(home, lf_root, make_cfg, vlm
 
     processor = load_processor(vlm_dir, AutoConfig.from_pretrained(vlm_dir))
     keys = {"image_max_pixels": 112 * 112, "max_samples": 2}
-    ours = build(make_cfg(lf_root, dataset="data/v1_multimodal_demo.yaml", media_dir=".", **keys),
-                 processor.tokenizer, processor).train
+    splits = build(make_cfg(lf_root, dataset="data/v1_multimodal_demo.yaml", media_dir=".", **keys),
+                   processor.tokenizer, processor)
+    ours = splits.train
+    # the cache knows the image files the parts name, so a changed picture is tokenized again
+    tracked = json.loads((Path(splits.stats["cache_dir"]) / "media_files.json").read_text())
+    assert {Path(entry[0]).name for entry in tracked} == {"1.jpg", "2.jpg"}
     v0 = lf_root / "v0"
     v0.mkdir()
     shutil.copy(lf_data_dir / "mllm_demo.json", v0 / "mllm_demo.json")

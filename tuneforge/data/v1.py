@@ -78,6 +78,14 @@ def _hub_pairs(attr: DatasetAttr) -> bool:
     return set(v1_datasets.PAIR_COLUMNS) <= set(load_raw(attr, ".").column_names)
 
 
+def media_values(raw: Any, attr: DatasetAttr) -> list[Any]:
+    """The values of every media part in a dataset's v1 message columns (for the cache's file checks)."""
+    columns = [c for k in ("messages", "chosen", "rejected") if (c := attr.column(k)) in raw.column_names]
+    return [part["value"] for column in columns for messages in raw[column] for m in messages or []
+            if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") in MEDIA_PARTS]
+
+
 def fold_reasoning(messages: list[dict[str, Any]], template_reads_it: bool) -> list[dict[str, Any]]:
     """Messages whose `reasoning_content` a template that does not read it still shows: as <think>...</think>
     before the text, as reasoning models write it (a template that reads it gets it unchanged)."""
