@@ -26,15 +26,30 @@ TRAIN_LORA_SFT = {
 }
 
 
-def test_lora_sft_v1_example_config_trains(tmp_path, smol_dir, lf_data_dir):
-    (tmp_path / "data").symlink_to(lf_data_dir)  # LlamaFactory's layout: the spec's paths start at data/
-    config = tmp_path / "train_lora_sft.yaml"
-    config.write_text(yaml.safe_dump(TRAIN_LORA_SFT))
+def run_v1(tmp_path: Path, lf_data_dir: Path, config: dict, *overrides: str) -> subprocess.CompletedProcess:
+    """`tuneforge train` on the config in a LlamaFactory-like working folder (data/ = the shared demo files)."""
+    (tmp_path / "data").symlink_to(lf_data_dir)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "tuneforge.cli", "train", str(config), "max_steps=2", "cutoff_len=64"],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+    return subprocess.run([sys.executable, "-m", "tuneforge.cli", "train", str(path), *overrides],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
+
+
+def test_lora_sft_v1_example_config_trains(tmp_path, smol_dir, lf_data_dir):
+    r = run_v1(tmp_path, lf_data_dir, TRAIN_LORA_SFT, "max_steps=2", "cutoff_len=64")
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "outputs" / "test_lora"
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (16, 32, 0.05)
     assert (out / "adapter_model.safetensors").is_file() and "finished 2 steps" in r.stderr
+
+
+def test_lora_dpo_v1_example_config_trains_dpo(tmp_path, smol_dir, lf_data_dir):
+    # examples/v1/train_lora/train_lora_dpo.yaml; its spec names a hub dataset, so the data path is the local
+    # v1 pairs (chosen_messages / rejected_messages), from which the stage is dpo
+    config = {**TRAIN_LORA_SFT, "train_dataset": "data/v1_dpo_demo.jsonl", "learning_rate": 1.0e-5}
+    r = run_v1(tmp_path, lf_data_dir, config, "max_steps=2", "cutoff_len=96")
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "outputs" / "test_lora" / "trainer_log.jsonl").open()]
+    assert any("rewards/accuracies" in entry for entry in log), log[:2]
