@@ -162,6 +162,7 @@ def test_v1_defaults_that_differ_from_ours_and_key_clashes():
     assert (flat["save_strategy"], flat["disable_gradient_checkpointing"], flat["resume_from_checkpoint"],
             flat["ddp_timeout"], flat["finetuning_type"], flat["learning_rate"]) == ("epoch", True, True, 60, "full",
                                                                                       1e-4)
+    assert flat["output_dir"].startswith("outputs/") and len(flat["output_dir"]) == len("outputs/") + 32
     with pytest.raises(ConfigError, match="'model_name_or_path' is set twice"):
         llamafactory_v1.flatten({"model": "a", "model_name_or_path": "b"}, "f")
     with pytest.raises(ConfigError, match=r"unknown LlamaFactory v1 key 'peft_config\.rank' for peft_config name lora"):
@@ -171,3 +172,13 @@ def test_v1_defaults_that_differ_from_ours_and_key_clashes():
     # a v1 key at its v1 default is accepted even where tuneforge has no equivalent
     assert "cp_size" not in llamafactory_v1.flatten({"model": "a", "cp_size": 1, "dp_size": None,
                                                      "save_ckpt_as_hf": False}, "f")
+
+
+def test_no_llamafactory_v0_key_makes_a_file_look_like_v1():
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "llamafactory_keys.json"
+    v0_keys = json.loads(fixture.read_text())["keys"]
+    assert sorted(set(v0_keys) & llamafactory_v1.V1_MARKERS) == []
+    assert not llamafactory_v1.is_v1({"model_name_or_path": "m", "dataset": "identity", "cutoff_len": 64})

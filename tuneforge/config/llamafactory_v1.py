@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -330,6 +332,8 @@ def flatten(raw: dict[str, Any], source: str) -> dict[str, Any]:
             raise ConfigError(f"{source}: '{key}' is set twice: {passed[key]!r}, and {mapped[key]!r} from the v1 keys; "
                               f"keep one", key=key)
     flat = {**V1_DEFAULTS, **mapped, **passed}
+    if "output_dir" not in flat:  # v1's default: a fresh folder under outputs/
+        flat["output_dir"] = os.path.join("outputs", uuid.uuid4().hex)
     if "stage" not in flat:
         flat["stage"] = _stage(raw, source)
     if raw.get("model_class") == "cls" and flat["stage"] != "rm":
