@@ -43,7 +43,8 @@ def dataset_identity(attr: DatasetAttr, dataset_dir: str) -> dict[str, Any]:
             if attr.load_from == "file"
             else sorted(p for p in root.rglob("*") if p.is_file())
         )
-        identity["files"] = [(str(p.relative_to(dataset_dir)), _sha256_file(p)) for p in files]
+        identity["files"] = [(str(p.relative_to(dataset_dir)) if p.is_relative_to(dataset_dir) else str(p),
+                              _sha256_file(p)) for p in files]
     return identity
 
 

@@ -130,15 +130,18 @@ class Turn:
         return Turn(self.source[:s], self.source_labels[:s], self.target[:t], self.target_labels[:t])
 
 
-def make_turns(ids: list[int], spans: list[tuple[int, int]], s: EncodeSettings) -> list[Turn]:
+def make_turns(ids: list[int], spans: list[tuple[int, int]], s: EncodeSettings,
+               trained: list[bool] | None = None) -> list[Turn]:
     """Split a rendered conversation at its assistant spans: turn k = (prompt before span k, span k).
 
     The text after the last span (the template's trailing newline) joins the last response, unsupervised.
+    trained: per span, whether its message is trained at all (LlamaFactory v1's loss_weight 0: not).
     """
     turns, prev = [], 0
     for k, (start, end) in enumerate(spans):
         end = len(ids) if k == len(spans) - 1 else end
-        supervised = s.train_on_prompt or not s.mask_history or k == len(spans) - 1
+        supervised = (trained is None or trained[k]) and (
+            s.train_on_prompt or not s.mask_history or k == len(spans) - 1)
         target = ids[start:end]
         labels = list(target) if supervised else [IGNORE_INDEX] * len(target)
         if not s.train_on_prompt:
@@ -180,10 +183,10 @@ def fit_turns(turns: list[Turn], cutoff_len: int, *, keep_last: bool) -> list[Tu
 
 
 def build_sample(
-    ids: list[int], spans: list[tuple[int, int]], s: EncodeSettings
+    ids: list[int], spans: list[tuple[int, int]], s: EncodeSettings, trained: list[bool] | None = None
 ) -> tuple[list[int], list[int], str]:
-    """(input_ids, labels, status) of one rendered conversation, truncated to cutoff_len."""
-    turns = make_turns(ids, spans, s)
+    """(input_ids, labels, status) of one rendered conversation, truncated to cutoff_len (trained: make_turns)."""
+    turns = make_turns(ids, spans, s, trained)
     kept = fit_turns(turns, s.cutoff_len, keep_last=s.mask_history and not s.train_on_prompt)
     input_ids, labels = [], []
     for t in kept:
@@ -195,12 +198,13 @@ def build_sample(
     return input_ids, labels, "ok_truncated" if len(input_ids) < len(ids) else "ok"
 
 
-def build_media_sample(sample: Any, s: EncodeSettings) -> tuple[list[int], list[int], bytes, str]:
+def build_media_sample(sample: Any, s: EncodeSettings,
+                       trained: list[bool] | None = None) -> tuple[list[int], list[int], bytes, str]:
     """(input_ids, labels, mm_inputs, status) of one rendered multimodal sample (multimodal.MediaSample), cut to
     cutoff_len like a text sample; a cut that would lose any of a medium's tokens drops the sample instead."""
     from tuneforge.data import multimodal
 
-    positions, position_labels, status = build_sample(list(range(len(sample.ids))), sample.spans, s)
+    positions, position_labels, status = build_sample(list(range(len(sample.ids))), sample.spans, s, trained)
     if status == "dropped":
         return [], [], b"", status
     if not multimodal.media_kept(sample.media_spans, positions):
@@ -239,22 +243,25 @@ def encode_supervised(
     if processor is not None:
         return _encode_supervised_media(batch, indices, processor=processor, chat=chat, attr=attr,
                                         settings=settings, media_settings=media_settings, row_numbers=row_numbers)
-    rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
+    rendered: list[tuple[int, str, list[tuple[int, int]], list[bool] | None]] = []
     status = ["bad"] * len(indices)
     for i, row in enumerate(batch_rows(batch)):
         try:
             conv = formats.to_conversation(row, attr, default_system=settings.default_system)
+            if conv.media:  # media parts of a LlamaFactory v1 row
+                raise BadRow(f"the row has {', '.join(conv.media)} media, but the model reads text only; use a "
+                             f"vision- or audio-language model")
             text, spans = template.render(tokenizer, chat, conv)
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue
-        rendered.append((i, text, spans))
+        rendered.append((i, text, spans, conv.trained_turns()))
     out: dict[str, list] = {"input_ids": [[] for _ in indices], "labels": [[] for _ in indices]}
     if rendered:
-        all_ids, all_offsets = template.tokenize_rendered(tokenizer, [text for _, text, _ in rendered])
-        for (i, _, spans), ids, offsets in zip(rendered, all_ids, all_offsets, strict=True):
+        all_ids, all_offsets = template.tokenize_rendered(tokenizer, [text for _, text, _, _ in rendered])
+        for (i, _, spans, trained), ids, offsets in zip(rendered, all_ids, all_offsets, strict=True):
             tok_spans = template.token_spans(offsets, spans)
-            out["input_ids"][i], out["labels"][i], status[i] = build_sample(ids, tok_spans, settings)
+            out["input_ids"][i], out["labels"][i], status[i] = build_sample(ids, tok_spans, settings, trained)
     out["attention_mask"] = [[1] * len(ids) for ids in out["input_ids"]]
     out["_status"] = status
     return out
@@ -269,9 +276,9 @@ def _encode_supervised_media(batch: dict[str, list], indices: list[int], *, proc
     for i, row in enumerate(batch_rows(batch)):
         try:
             conv = formats.to_conversation(row, attr, default_system=settings.default_system)
-            conv.media = media.row_media(row, attr.columns)
+            conv.media = conv.media or media.row_media(row, attr.columns)
             sample = multimodal.render_sample(processor, chat, conv, media_settings)
-            ids, labels, blob, status = build_media_sample(sample, settings)
+            ids, labels, blob, status = build_media_sample(sample, settings, conv.trained_turns())
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             ids, labels, blob, status = [], [], b"", "bad"

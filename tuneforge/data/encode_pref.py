@@ -95,14 +95,22 @@ def build_group(seqs: list[Rendered], cutoff_len: int) -> tuple[list[tuple[list[
     return out, "ok_truncated" if truncated else "ok"
 
 
+def answer_message(answer: str | dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of an answer (its text, or a whole message with reasoning_content)."""
+    return dict(answer) if isinstance(answer, dict) else {"role": "assistant", "content": answer}
+
+
 def render_answer(
-    tokenizer: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str
+    tokenizer: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str | dict[str, Any]
 ) -> tuple[str, tuple[int, int]]:
     """The text of prompt + the assistant's answer, and the character span of that answer's turn."""
+    if prompt.media:
+        raise BadRow(f"the row has {', '.join(prompt.media)} media, but the model reads text only; use a vision- or "
+                     f"audio-language model")
     conv = Conversation(
         system=prompt.system,
         tools=prompt.tools,
-        messages=[dict(m) for m in prompt.messages] + [{"role": "assistant", "content": answer}],
+        messages=[dict(m) for m in prompt.messages] + [answer_message(answer)],
     )
     text, spans = template.render(tokenizer, chat, conv)
     return text, spans[-1]
@@ -127,13 +135,13 @@ def build_media_group(samples: list[Any], cutoff_len: int) -> tuple[list[tuple[l
     return group, blobs, status
 
 
-def render_media_answer(processor: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str,
-                        settings: Any) -> Any:
+def render_media_answer(processor: Any, chat: template.ChatTemplate, prompt: Conversation,
+                        answer: str | dict[str, Any], settings: Any) -> Any:
     """prompt + the assistant's answer rendered with the prompt's media (multimodal.MediaSample)."""
     from tuneforge.data import multimodal
 
     conv = Conversation(system=prompt.system, tools=prompt.tools, media=prompt.media,
-                        messages=[dict(m) for m in prompt.messages] + [{"role": "assistant", "content": answer}])
+                        messages=[dict(m) for m in prompt.messages] + [answer_message(answer)])
     return multimodal.render_sample(processor, chat, conv, settings)
 
 
@@ -198,7 +206,7 @@ def encode_pairwise(
         try:
             pair = formats.to_pairwise(row, attr, default_system=settings.default_system)
             if processor is not None:
-                pair.prompt.media = row_media(row, attr.columns)
+                pair.prompt.media = pair.prompt.media or row_media(row, attr.columns)
                 samples = [render_media_answer(processor, chat, pair.prompt, a, media_settings)
                            for a in (pair.chosen, pair.rejected)]
                 group, blobs, status[i] = build_media_group(samples, settings.cutoff_len)

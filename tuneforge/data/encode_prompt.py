@@ -86,9 +86,11 @@ def encode_prompts(
         try:
             conv = prompt_conversation(row, attr, settings.default_system)
             if processor is None:
+                if conv.media:  # media parts of a LlamaFactory v1 row
+                    raise BadRow(f"the row has {', '.join(conv.media)} media, but the model reads text only")
                 ids = template.render_prompt(tokenizer, chat, conv.chat_messages(), conv.tools)
             else:
-                conv.media = media.row_media(row, attr.columns)
+                conv.media = conv.media or media.row_media(row, attr.columns)
                 ids, tensors = multimodal.prompt_inputs(processor, conv, media_settings, conv.tools, chat.kwargs)
                 if len(ids) <= budget:
                     blob = multimodal.pack_tensors(multimodal.stored_tensors(tensors, len(ids)), list(range(len(ids))))

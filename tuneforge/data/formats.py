@@ -28,6 +28,14 @@ class Conversation:
     tools: str | None = None  # JSON text, as in the dataset's tools column
     messages: list[dict[str, str]] = field(default_factory=list)  # {role: user|assistant|tool, content}
     media: dict[str, list[Any]] = field(default_factory=dict)  # image / video / audio -> the row's references
+    # per message, 1.0 trained / 0.0 not (LlamaFactory v1's loss_weight); None: every assistant message is trained
+    loss_weights: list[float] | None = None
+
+    def trained_turns(self) -> list[bool] | None:
+        """Per assistant message, whether it is trained (None: all are)."""
+        if self.loss_weights is None:
+            return None
+        return [w > 0 for m, w in zip(self.messages, self.loss_weights, strict=True) if m["role"] == "assistant"]
 
     def chat_messages(self) -> list[dict[str, str]]:
         """The messages as `apply_chat_template` takes them (a system message first when there is one)."""
@@ -119,6 +127,11 @@ def to_conversation(
     require_final_assistant: bool = True,
 ) -> Conversation:
     """One raw row -> Conversation, or BadRow."""
+    if attr.formatting == "v1":
+        from tuneforge.data import v1
+
+        return v1.to_conversation(row, attr, default_system=default_system,
+                                  require_final_assistant=require_final_assistant)
     if attr.formatting == "alpaca":
         conv = _from_alpaca(row, attr)
     else:
@@ -250,8 +263,8 @@ class PairwiseRow:
     """A ranking row: the prompt (ending with a user or tool turn) and the two answers to it."""
 
     prompt: Conversation
-    chosen: str
-    rejected: str
+    chosen: str | dict[str, Any]  # the answer's text, or its whole message (with reasoning_content)
+    rejected: str | dict[str, Any]
 
 
 @dataclass
@@ -270,6 +283,10 @@ def to_pairwise(row: dict[str, Any], attr: DatasetAttr, *, default_system: str |
     sharegpt / openai: the messages end with a user (or tool) turn, and the chosen / rejected columns each
     hold one assistant message, written with the dataset's tags.
     """
+    if attr.formatting == "v1":
+        from tuneforge.data import v1
+
+        return v1.to_pairwise(row, attr, default_system=default_system)
     if attr.formatting == "alpaca":
         prompt = alpaca_prompt(row, attr)
         chosen = _text(row, attr.column("chosen"), "chosen", required=True)

@@ -93,7 +93,7 @@ def chat_messages(conv: Conversation) -> list[dict[str, Any]]:
             if part["type"] in refs:
                 ref = next(refs[part["type"]], None)
                 part[part["type"]] = ref if isinstance(ref, str) else f"{part['type']} input"
-        out.append({"role": m["role"], "content": parts})
+        out.append({**m, "content": parts})
     return out
 
 

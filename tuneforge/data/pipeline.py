@@ -145,7 +145,11 @@ def _local_media(raw: Any, attr: DatasetAttr, settings: media.MediaSettings) -> 
     """The local files the rows' media columns name (URLs and embedded media have none)."""
     columns = [c for kind in media.KINDS if (c := attr.column(media.COLUMN_OF[kind])) in raw.column_names]
     values = (value for column in columns for value in raw[column])
-    refs = (ref for value in values for ref in (value if isinstance(value, list) else [value]))
+    refs = [ref for value in values for ref in (value if isinstance(value, list) else [value])]
+    if attr.formatting == "v1":  # LlamaFactory v1 rows name their media in content parts
+        from tuneforge.data.v1 import media_values
+
+        refs += media_values(raw, attr)
     return {file for ref in refs if (file := media.local_file(ref, settings)) is not None}
 
 

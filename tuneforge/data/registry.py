@@ -197,12 +197,22 @@ def _tags(name: str, formatting: str, given: Any) -> dict[str, str | None]:
 
 
 def get_dataset_attrs(names: list[str] | None, dataset_dir: str | Path) -> list[DatasetAttr]:
-    """The DatasetAttr of each name, or a DataError that lists close names."""
+    """The DatasetAttr of each name, or a DataError that lists close names.
+
+    A name that is a LlamaFactory v1 dataset-spec YAML or a data file (a v1 config's train_dataset) stands for the
+    datasets it describes (tuneforge.data.v1)."""
     if not names:
         return []
-    info = read_dataset_info(dataset_dir)
+    from tuneforge.config.v1_datasets import is_v1_dataset
+
+    info = read_dataset_info(dataset_dir) if not all(is_v1_dataset(n) for n in names) else {}
     attrs = []
     for name in names:
+        if name not in info and is_v1_dataset(name):
+            from tuneforge.data import v1
+
+            attrs += v1.dataset_attrs(name)
+            continue
         if name not in info:
             close = difflib.get_close_matches(name, list(info), n=3, cutoff=0.5)
             hint = (
@@ -300,7 +310,7 @@ def _load_hub(attr: DatasetAttr, cache_dir: str | None):
             raise DataError(
                 f"dataset '{attr.name}' comes from the hub ({attr.source}) and is not available "
                 f"offline (HF_HUB_OFFLINE=1) nor in the local datasets cache; unset HF_HUB_OFFLINE "
-                f"or download it and use file_name"
+                f"or download it and use {'its local path (source: local)' if attr.entry.get('v1') else 'file_name'}"
             ) from None
         raise DataError(f"dataset '{attr.name}': cannot load {attr.source} from the hub: {e}") from None
 

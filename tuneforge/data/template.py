@@ -269,6 +269,10 @@ def render(
     messages = messages if messages is not None else conv.chat_messages()
     if template.thinking is False:  # trained to answer without thinking: no reasoning is learned
         messages = [without_reasoning(m) if m["role"] == "assistant" else m for m in messages]
+    if any(m.get("reasoning_content") for m in messages):  # LlamaFactory v1's reasoning parts
+        from tuneforge.data.v1 import fold_reasoning
+
+        messages = fold_reasoning(messages, "reasoning_content" in template.text(tokenizer))
     tools = parse_tools(conv.tools)
     full = _render(tokenizer, template, messages, tools, False)
     spans: list[tuple[int, int]] = []

@@ -71,7 +71,7 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
                 conv = formats.to_conversation(row, attr, default_system=d.default_system)
                 label = conv.messages.pop()["content"]
                 if processor is not None:
-                    conv.media = media.row_media(row, attr.columns)
+                    conv.media = conv.media or media.row_media(row, attr.columns)
                     ids, tensors = multimodal.prompt_inputs(processor, conv, settings,
                                                             tools=parse_tools(conv.tools), options=template.kwargs)
                     samples.append(Sample(ids, label, tensors))
