@@ -115,7 +115,7 @@ def _compile(f: Format, name: str) -> str:
     tool = f.tool or f.user
     lines += [
         "{%- for m in rest -%}",
-        "{%- if m['content'] is not string -%}{{ raise_exception(\"template '"
+        "{%- if m['content'] is not string -%}{{ raise_exception(\"tuneforge's chat format '"
         + name
         + "' renders text only; a message with images, videos or audio needs the model's own chat template "
         '(leave template unset)") }}{%- endif -%}',
