@@ -91,14 +91,16 @@ def test_aliases_share_one_template():
     assert set(chat_formats.ALIASES.values()) <= set(chat_formats.FORMATS)
 
 
-# (our name, official template, bos, eos, markers, what the official template cannot take)
-# "no system": the official template refuses a system message (or moves it: Mistral v3 puts it in the last
-# user message); "adds eos": ours writes EOS after an answer where the family's format has no end-of-turn marker
-# (the next role token ends the turn), so the model learns to stop.
+# (our name, official template, bos, eos, markers, limits). Limits: "no system": the official template refuses a
+# system message; "adds eos": ours writes EOS after an answer where the family's format has no end-of-turn marker
+# (the next role token ends the turn), so the model learns to stop; "tools": also compared with tools and a tool
+# result; "thinking": also with enable_thinking false, where the official template writes earlier answers without
+# the empty think block that ours (keeping the prefix property) writes, so on conversations with one answer.
 OFFICIAL_CASES = [
     ("chatml", "chatml.jinja", "<s>", "</s>", ["<|im_start|>", "<|im_end|>"], set()),
     ("qwen", "qwen2_5.jinja", "<|endoftext|>", "<|im_end|>", ["<|im_start|>"], {"tools"}),
     ("qwen2_vl", "qwen2_vl.jinja", "<|endoftext|>", "<|im_end|>", ["<|im_start|>"], set()),
+    ("qwen3", "qwen3.jinja", "<|endoftext|>", "<|im_end|>", ["<|im_start|>"], {"tools", "thinking"}),
     ("qwen3_vl_nothink", "qwen3_vl.jinja", "<|endoftext|>", "<|im_end|>", ["<|im_start|>"], {"tools"}),
     ("llama2", "llama2.jinja", "<s>", "</s>", [], set()),
     ("llama3", "llama3.jinja", "<|begin_of_text|>", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>"], set()),
@@ -127,9 +129,11 @@ def test_ours_is_token_exact_with_the_official_template(bare, case):
     if "tools" in limits:
         tool_turns = [*TURNS[:2], {"role": "tool", "content": '{"t": 1}'}, {"role": "assistant", "content": "ok"}]
         conversations.append(tool_turns)
+    runs = [(messages, {"tools": TOOLS} if messages[-2]["role"] == "tool" else {}) for messages in conversations]
+    if "thinking" in limits:
+        runs += [(m, {"enable_thinking": False}) for m in conversations if sum(x["role"] == "assistant" for x in m) == 1]
     checked = 0
-    for messages in conversations:
-        kw = {"tools": TOOLS} if messages[-2]["role"] == "tool" else {}
+    for messages, kw in runs:
         for end in range(1, len(messages) + 1):
             part, gen = messages[:end], messages[end - 1]["role"] != "assistant"
             if not any(m["role"] == "user" for m in part):
@@ -156,10 +160,13 @@ def test_enable_thinking_false_writes_an_empty_think_block(bare):
     prompt = render_text(bare, qwen3, TURNS[:1], True, enable_thinking=False)
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert render_text(bare, qwen3, TURNS[:1], True).endswith("<|im_start|>assistant\n")  # default: thinking
-    # the answer text is the same either way (prefix property); only where the prompt ends differs
+    # the last answer is the same either way; only where the prompt ends differs (what the model learns)
     for thinking in (True, False):
         full = render_text(bare, qwen3, TURNS[:2], False, enable_thinking=thinking)
         assert full.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nHello there.<|im_end|>\n")
+    # thinking (Qwen3's rule): only the last answer gets the block
+    assert render_text(bare, qwen3, TURNS, False).count("<think>") == 1
+    assert render_text(bare, qwen3, TURNS, False, enable_thinking=False).count("<think>") == 2
     # an answer that carries its own reasoning is written as it is
     reasoned = [TURNS[0], {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"}]
     assert render_text(bare, qwen3, reasoned, False).count("<think>") == 1

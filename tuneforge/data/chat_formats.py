@@ -10,8 +10,10 @@ with the generation prompt is a prefix of the text of the whole conversation. So
 before the first turn (or into the first user message), tools are shown there too, and an assistant turn is the
 generation prompt + content + the family's end-of-turn marker. Where a family's official template moves text
 (Mistral's v3 puts the system prompt into the *last* user message) ours keeps it in the first one, as
-LlamaFactory does. Reasoning families read `enable_thinking` (true when undefined): false writes the empty
-think block their official templates write (`<think>\n\n</think>\n\n` after the generation prompt).
+LlamaFactory does. Reasoning families read `enable_thinking` (true when undefined), as their official templates
+do: true (Qwen3's rule) writes an empty think block (`<think>\n\n</think>\n\n`) before the last answer when it has
+none; false writes it at the end of the generation prompt, and so before every answer (the official template
+writes earlier answers without it, which would break the prefix property).
 
 Messages with non-text content (images, audio) need the model's own (processor's) template: ours raise a clear
 error for them.
@@ -104,14 +106,14 @@ def _compile(f: Format, name: str) -> str:
             + _expr(f.system[1])
             + " -}}{%- endif -%}"
         )
-    # Reasoning families write an empty reasoning block before an answer that has none (as their official
-    # templates write the last answer). With enable_thinking false it is part of the generation prompt (the
-    # model is told not to think); otherwise it belongs to the answer (the model learns to write it).
+    # Reasoning families: see the module docstring. With enable_thinking false the empty block is part of the
+    # generation prompt (the model is told not to think); otherwise it belongs to the answer (the model learns
+    # to write it) in the last answer.
     gen, answer = _expr(f.assistant[0]), _expr(f.lead) + " + c"
     if f.think:
         block, tag = _expr(f.think[0]), json.dumps(f.think[1])
         gen = f"{gen} + ('' if thinking else {block})"
-        answer = f"({block} if thinking and {tag} not in c else '') + {answer}"
+        answer = f"({block} if thinking and loop.last and {tag} not in c else '') + {answer}"
     tool = f.tool or f.user
     lines += [
         "{%- for m in rest -%}",
