@@ -95,7 +95,10 @@ def test_aliases_share_one_template():
 # system message; "adds eos": ours writes EOS after an answer where the family's format has no end-of-turn marker
 # (the next role token ends the turn), so the model learns to stop; "tools": also compared with tools and a tool
 # result; "thinking": also with enable_thinking false, where the official template writes earlier answers without
-# the empty think block that ours (keeping the prefix property) writes, so on conversations with one answer.
+# the empty think block that ours (keeping the prefix property) writes, so on conversations with one answer
+# ("thinking always": on all); "system prompt": Mistral's official template writes the system prompt into the
+# last message when that is a user message (so not at all in a whole conversation), ours into the first user
+# message (the prefix property): with a system prompt only the prompts of one-turn conversations compare.
 OFFICIAL_CASES = [
     ("chatml", "chatml.jinja", "<s>", "</s>", ["<|im_start|>", "<|im_end|>"], set()),
     ("qwen", "qwen2_5.jinja", "<|endoftext|>", "<|im_end|>", ["<|im_start|>"], {"tools"}),
@@ -114,6 +117,8 @@ OFFICIAL_CASES = [
     ("openchat", "openchat.jinja", "<s>", "</s>", ["<|end_of_turn|>"], set()),
     ("granite3", "granite3.jinja", "<|end_of_text|>", "<|end_of_text|>", ["<|start_of_role|>", "<|end_of_role|>"],
      set()),
+    ("mistral", "mistral_v3.jinja", "<s>", "</s>", ["[INST]", "[/INST]"], {"system prompt"}),
+    ("ministral", "mistral_v3_tekken.jinja", "<s>", "</s>", ["[INST]", "[/INST]"], {"system prompt"}),
     ("chatglm3", "chatglm3.jinja", "<s>", "</s>", ["[gMASK]", "sop", "<|user|>", "<|assistant|>", "<|system|>"],
      {"adds eos"}),
     ("bailing", "bailing.jinja", "<|startoftext|>", "<|endoftext|>", ["<role>", "</role>"], {"adds eos"}),
@@ -125,18 +130,24 @@ def test_ours_is_token_exact_with_the_official_template(bare, case):
     name, fixture, bos, eos, markers, limits = case
     tok = family_tokenizer(bare, bos, eos, markers)
     ours, official = template.TEMPLATES[name], (OFFICIAL / fixture).read_text()
-    conversations = [TURNS, TURNS[:2]] + ([] if "no system" in limits else [[SYSTEM, *TURNS], [SYSTEM, *TURNS[:2]]])
+    conversations = [TURNS, TURNS[:2]]
+    if "no system" not in limits:
+        conversations += [[SYSTEM, *TURNS[:2]]] + ([] if "system prompt" in limits else [[SYSTEM, *TURNS]])
     if "tools" in limits:
         tool_turns = [*TURNS[:2], {"role": "tool", "content": '{"t": 1}'}, {"role": "assistant", "content": "ok"}]
         conversations.append(tool_turns)
     runs = [(messages, {"tools": TOOLS} if messages[-2]["role"] == "tool" else {}) for messages in conversations]
-    if "thinking" in limits:
-        runs += [(m, {"enable_thinking": False}) for m in conversations if sum(x["role"] == "assistant" for x in m) == 1]
+    if "thinking" in limits or "thinking always" in limits:
+        runs += [
+            (m, {"enable_thinking": False})
+            for m in conversations
+            if "thinking always" in limits or sum(x["role"] == "assistant" for x in m) == 1
+        ]
     checked = 0
     for messages, kw in runs:
         for end in range(1, len(messages) + 1):
             part, gen = messages[:end], messages[end - 1]["role"] != "assistant"
-            if not any(m["role"] == "user" for m in part):
+            if not any(m["role"] == "user" for m in part) or ("system prompt" in limits and part[0] == SYSTEM and not gen):
                 continue
             a, b = render_text(tok, ours, part, gen, **kw), render_text(tok, official, part, gen, **kw)
             if "adds eos" in limits:

@@ -35,9 +35,7 @@ class Format:
 
     user: tuple[str, str]
     assistant: tuple[str, str]  # [0] is the generation prompt, [1] the end-of-turn marker
-    lead: str = (
-        ""  # written between the generation prompt and an answer (Vicuna's "ASSISTANT:" + " " + answer)
-    )
+    lead: str = ""  # written between the generation prompt and an answer (Vicuna's "ASSISTANT:" + " " + answer)
     system: tuple[str, str] | None = None  # None: the system text goes into the first user message
     system_in_user: tuple[str, str] = ("", "\n\n")  # how it is written there
     tool: tuple[str, str] | None = None  # an observation (tool result) turn; None: as a user turn
@@ -47,6 +45,8 @@ class Format:
     tools_intro: str = "You can call these tools:\n"  # "json": the line before the JSON
     strip: bool = False  # the family's template strips each message's content
     think: tuple[str, str] | None = None  # (the empty reasoning block, its opening tag): see _compile
+    think_every: bool = False  # the block goes before every answer without one, not only the last (GLM-4.5)
+    nothink_suffix: str = ""  # appended to user messages when enable_thinking is false (GLM-4.5's /nothink)
     hermes_tool_turn: bool = False  # tool results grouped into one user turn of <tool_response> blocks
 
     def jinja(self, name: str) -> str:
@@ -113,7 +113,8 @@ def _compile(f: Format, name: str) -> str:
     if f.think:
         block, tag = _expr(f.think[0]), json.dumps(f.think[1])
         gen = f"{gen} + ('' if thinking else {block})"
-        answer = f"({block} if thinking and loop.last and {tag} not in c else '') + {answer}"
+        where = "" if f.think_every else " and loop.last"
+        answer = f"({block} if thinking{where} and {tag} not in c else '') + {answer}"
     tool = f.tool or f.user
     lines += [
         "{%- for m in rest -%}",
@@ -132,7 +133,12 @@ def _compile(f: Format, name: str) -> str:
             + " + c -%}{%- endif -%}"
         )
     lines += [
-        "{%- if m['role'] == 'user' -%}{{- " + _expr(f.user[0]) + " + c + " + _expr(f.user[1]) + " -}}",
+        "{%- if m['role'] == 'user' -%}{{- "
+        + _expr(f.user[0])
+        + " + c + "
+        + (f"('' if thinking else {_expr(f.nothink_suffix)}) + " if f.nothink_suffix else "")
+        + _expr(f.user[1])
+        + " -}}",
         "{%- elif m['role'] == 'assistant' -%}{{- " + gen + " + " + answer + " + " + _expr(f.assistant[1]) + " -}}",
     ]
     if f.hermes_tool_turn:
@@ -249,7 +255,17 @@ GLM4 = Format(  # GLM-4 / GLM-4.5 / GLM-Z1: the next role token ends a turn; we 
     tool=("<|observation|>\n", ""),
     prefix="[gMASK]<sop>",
 )
-GLM4_THINK = replace(GLM4, think=("<think></think>", "<think>"))
+# GLM-4.5 / 4.6 / 4.7: every answer opens with a think block (empty when it has none); thinking off
+# appends /nothink to user messages and closes the block in the generation prompt.
+GLM4_THINK = replace(
+    GLM4,
+    assistant=("<|assistant|>", EOS),
+    lead="\n",
+    think=("\n<think></think>", "<think>"),
+    think_every=True,
+    nothink_suffix="/nothink",
+    strip=True,
+)
 CHATGLM3 = replace(
     GLM4,
     user=("<|user|>\n ", ""),
