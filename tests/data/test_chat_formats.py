@@ -100,7 +100,9 @@ def test_aliases_share_one_template():
 # last message when that is a user message (so not at all in a whole conversation), ours into the first user
 # message (the prefix property): with a system prompt only the prompts of one-turn conversations compare;
 # "own default system": LlamaFactory's default system prompt for the name is not the official template's (none),
-# so only conversations with a system prompt compare.
+# so only conversations with a system prompt compare; "thinking opt-in" (Gemma 4): also with enable_thinking
+# true; off (its default), the official template writes the empty thought channel in the generation prompt but
+# not before earlier answers, where ours keeps it (the prefix property), so only first prompts compare.
 OFFICIAL_CASES = [
     ("chatml", "chatml.jinja", "<s>", "</s>", ["<|im_start|>", "<|im_end|>"], set()),
     ("qwen", "qwen2_5.jinja", "<|endoftext|>", "<|im_end|>", ["<|im_start|>"], {"tools"}),
@@ -124,6 +126,8 @@ OFFICIAL_CASES = [
     ("kimi_vl", "kimi_k2.jinja", "[BOS]", "[EOS]",
      ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"], set()),
     ("lfm2", "lfm2_5.jinja", "<|startoftext|>", "<|im_end|>", ["<|im_start|>"], {"own default system"}),
+    ("gemma4", "gemma4.jinja", "<bos>", "<eos>", ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"],
+     {"own default system", "thinking opt-in"}),
     ("chatglm3", "chatglm3.jinja", "<s>", "</s>", ["[gMASK]", "sop", "<|user|>", "<|assistant|>", "<|system|>"],
      {"adds eos"}),
     ("bailing", "bailing.jinja", "<|startoftext|>", "<|endoftext|>", ["<role>", "</role>"], {"adds eos"}),
@@ -148,11 +152,17 @@ def test_ours_is_token_exact_with_the_official_template(bare, case):
             for m in conversations
             if "thinking always" in limits or sum(x["role"] == "assistant" for x in m) == 1
         ]
+    if "thinking opt-in" in limits:
+        runs += [(m, {"enable_thinking": True}) for m in conversations]
     checked = 0
     for messages, kw in runs:
         for end in range(1, len(messages) + 1):
             part, gen = messages[:end], messages[end - 1]["role"] != "assistant"
-            if not any(m["role"] == "user" for m in part) or ("system prompt" in limits and part[0] == SYSTEM and not gen):
+            if not any(m["role"] == "user" for m in part):
+                continue
+            if "system prompt" in limits and part[0] == SYSTEM and not gen:
+                continue
+            if "thinking opt-in" in limits and not kw and any(m["role"] == "assistant" for m in part):
                 continue
             a, b = render_text(tok, ours, part, gen, **kw), render_text(tok, official, part, gen, **kw)
             if "adds eos" in limits:

@@ -45,7 +45,10 @@ class Format:
     tools_intro: str = "You can call these tools:\n"  # "json": the line before the JSON
     strip: bool = False  # the family's template strips each message's content
     think: tuple[str, str] | None = None  # (the empty reasoning block, its opening tag): see _compile
-    think_every: bool = False  # the block goes before every answer without one, not only the last (GLM-4.5)
+    think_answer: str = "last"  # which answers (without reasoning) get the block: "last" (Qwen3), "every"
+    # (GLM-4.5) or "none" (Gemma 4: only the non-thinking generation prompt has it)
+    thinking_default: bool = True  # enable_thinking when the caller leaves it undefined (Gemma 4: false)
+    system_think: str = ""  # written first in the system turn when thinking, which then always has one (Gemma 4)
     nothink_suffix: str = ""  # appended to user messages when enable_thinking is false (GLM-4.5's /nothink)
     hermes_tool_turn: bool = False  # tool results grouped into one user turn of <tool_response> blocks
 
@@ -80,7 +83,9 @@ def _compile(f: Format, name: str) -> str:
         "{%- set has_system = messages and messages[0]['role'] == 'system' -%}",
         f"{{%- set system = messages[0]['content'] if has_system else {_expr(f.default_system)} -%}}",
         "{%- set rest = messages[1:] if has_system else messages -%}",
-        "{%- set thinking = enable_thinking is not defined or enable_thinking -%}",
+        "{%- set thinking = enable_thinking if enable_thinking is defined else "
+        + ("true" if f.thinking_default else "false")
+        + " -%}",
     ]
     if f.tools == "hermes":
         lines.append(
@@ -98,6 +103,8 @@ def _compile(f: Format, name: str) -> str:
             + " + (tools | tojson) -%}{%- endif -%}"
         )
     lines.append("{{- " + _expr(f.prefix) + " -}}")
+    if f.system_think:
+        lines.append(f"{{%- set system = ({_expr(f.system_think)} if thinking else '') + system -%}}")
     if f.system is not None:
         lines.append(
             "{%- if system -%}{{- "
@@ -113,8 +120,8 @@ def _compile(f: Format, name: str) -> str:
     if f.think:
         block, tag = _expr(f.think[0]), json.dumps(f.think[1])
         gen = f"{gen} + ('' if thinking else {block})"
-        where = "" if f.think_every else " and loop.last"
-        answer = f"({block} if thinking{where} and {tag} not in c else '') + {answer}"
+        where = {"every": "thinking", "last": "thinking and loop.last", "none": "false"}[f.think_answer]
+        answer = f"({block} if {where} and {tag} not in c else '') + {answer}"
     tool = f.tool or f.user
     lines += [
         "{%- for m in rest -%}",
@@ -222,13 +229,17 @@ GEMMA = Format(
     prefix=BOS,
     strip=True,
 )
-GEMMA4 = Format(
+GEMMA4 = Format(  # thinking is off unless asked for; on, <|think|> opens the system turn
     user=("<|turn>user\n", "<turn|>\n"),
     assistant=("<|turn>model\n", "<turn|>\n"),
     system=("<|turn>system\n", "<turn|>\n"),
     tool=("<|turn>tool\n", "<turn|>\n"),
     prefix=BOS,
     strip=True,
+    think=("<|channel>thought\n<channel|>", "<|channel>"),
+    think_answer="none",
+    thinking_default=False,
+    system_think="<|think|>",
 )
 PHI3 = Format(
     user=("<|user|>\n", "<|end|>\n"),
@@ -262,7 +273,7 @@ GLM4_THINK = replace(
     assistant=("<|assistant|>", EOS),
     lead="\n",
     think=("\n<think></think>", "<think>"),
-    think_every=True,
+    think_answer="every",
     nothink_suffix="/nothink",
     strip=True,
 )
