@@ -10,10 +10,12 @@ with the generation prompt is a prefix of the text of the whole conversation. So
 before the first turn (or into the first user message), tools are shown there too, and an assistant turn is the
 generation prompt + content + the family's end-of-turn marker. Where a family's official template moves text
 (Mistral's v3 puts the system prompt into the *last* user message) ours keeps it in the first one, as
-LlamaFactory does. Reasoning families read `enable_thinking` (true when undefined), as their official templates
-do: true (Qwen3's rule) writes an empty think block (`<think>\n\n</think>\n\n`) before the last answer when it has
-none; false writes it at the end of the generation prompt, and so before every answer (the official template
-writes earlier answers without it, which would break the prefix property).
+LlamaFactory does. Reasoning families read `enable_thinking` as their official templates do (`Format.think`):
+Qwen3's rule, thinking on (the default), writes an empty think block (`<think>\n\n</think>\n\n`) before the last
+answer when it has none; off writes it at the end of the generation prompt, and so before every answer (the
+official template writes earlier answers without it, which would break the prefix property). GLM-4.5 writes one
+before every answer; Gemma 4 thinks only when asked and writes its empty thought channel in the non-thinking
+generation prompt.
 
 Messages with non-text content (images, audio) need the model's own (processor's) template: ours raise a clear
 error for them.
@@ -125,7 +127,7 @@ def _compile(f: Format, name: str) -> str:
     tool = f.tool or f.user
     lines += [
         "{%- for m in rest -%}",
-        "{%- if m['content'] is not string -%}{{ raise_exception(\"tuneforge's chat format '"
+        "{%- if m['content'] is not string or system is not string -%}{{ raise_exception(\"tuneforge's chat format '"
         + name
         + "' renders text only; a message with images, videos or audio needs the model's own chat template "
         '(leave template unset)") }}{%- endif -%}',
@@ -170,9 +172,8 @@ def _compile(f: Format, name: str) -> str:
 
 # ---- the formats --------------------------------------------------------------------------------------------
 
-_IM = ("<|im_start|>user\n", "<|im_end|>\n")
 CHATML = Format(
-    user=_IM,
+    user=("<|im_start|>user\n", "<|im_end|>\n"),
     assistant=("<|im_start|>assistant\n", "<|im_end|>\n"),
     system=("<|im_start|>system\n", "<|im_end|>\n"),
     tool=("<|im_start|>tool\n", "<|im_end|>\n"),
