@@ -183,7 +183,7 @@ def bare_tokenizer(tokenizer):
     return bare
 
 
-@pytest.mark.parametrize("name", list(template.TEMPLATES))
+@pytest.mark.parametrize("name", ["default", "empty", "chatml", "llama3", "alpaca"])  # the rest: test_chat_formats
 def test_our_templates_are_token_exact(bare_tokenizer, name):
     chat = template.resolve_template(name, bare_tokenizer)
     assert chat.name == name
@@ -226,11 +226,8 @@ def test_family_name_uses_the_tokenizers_own_template(tokenizer, caplog):
 
 
 def test_template_errors(tokenizer, bare_tokenizer):
-    with pytest.raises(
-        DataError, match="no chat_template of its own.*default, empty, chatml, llama3, alpaca"
-    ):
-        template.resolve_template("qwen", bare_tokenizer)
-    with pytest.raises(DataError, match="unknown template 'nonsense'; choose one of default, empty, chatml"):
+    assert template.resolve_template("qwen", bare_tokenizer).name == "qwen"  # ours, for a base model
+    with pytest.raises(DataError, match="unknown template 'nonsense'; choose one of default, empty, alpaca"):
         template.resolve_template("nonsense", tokenizer)
     with pytest.raises(DataError, match="has no chat_template; set template"):
         template.resolve_template(None, bare_tokenizer)

@@ -143,3 +143,9 @@ def test_an_api_request_may_set_the_templates_options(qwen3_tokenizer, tiny_mode
             "chat_template_kwargs": {"enable_thinking": False}})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_nothink_name_selects_the_models_non_thinking_mode(qwen3_tokenizer):
+    assert template.resolve_template("qwen3_nothink", qwen3_tokenizer).thinking is False
+    assert template.resolve_template("qwen3_nothink", qwen3_tokenizer, enable_thinking=True).thinking is True
+    assert template.resolve_template("qwen3", qwen3_tokenizer).thinking is None

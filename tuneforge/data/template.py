@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tuneforge.data import chat_formats
 from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.errors import DataError
 
 logger = logging.getLogger(__name__)
 
 # Our own Jinja chat templates, for models whose tokenizer has none. Each one renders a prefix of a
-# conversation as a prefix of its text, which the span search relies on.
+# conversation as a prefix of its text, which the span search relies on. "default" and "empty" are written
+# here; every LlamaFactory template name with a chat format of its own has one in chat_formats.
 _SYSTEM_FIRST = r"{%- set rest = messages[1:] if messages[0]['role'] == 'system' else messages -%}"
 
 TEMPLATES: dict[str, str] = {
@@ -50,111 +52,15 @@ TEMPLATES: dict[str, str] = {
         r"{%- else -%}{{ m['content'] }}{%- endif -%}"
         r"{%- endfor -%}"
     ),
-    "chatml": _SYSTEM_FIRST
-    + (
-        r"{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
-        r"{%- if tools -%}{%- set system = (system + '\n\n' if system else '') + '# Tools\n'"
-        r" + (tools | tojson) -%}{%- endif -%}"
-        r"{%- if system -%}{{ '<|im_start|>system\n' + system + '<|im_end|>\n' }}{%- endif -%}"
-        r"{%- for m in rest -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-        r"{%- endfor -%}"
-        r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
-    ),
-    "llama3": _SYSTEM_FIRST
-    + (
-        r"{{- bos_token or '' -}}"
-        r"{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
-        r"{%- if tools -%}{%- set system = (system + '\n\n' if system else '')"
-        r" + 'You can call these tools:\n'"
-        r" + (tools | tojson) -%}{%- endif -%}"
-        r"{%- if system -%}{{ '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' }}"
-        r"{%- endif -%}"
-        r"{%- for m in rest -%}{%- set role = 'ipython' if m['role'] == 'tool' else m['role'] -%}"
-        r"{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
-        r"{%- endfor -%}"
-        r"{%- if add_generation_prompt -%}"
-        r"{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"
-    ),
-    "alpaca": _SYSTEM_FIRST
-    + (
-        r"{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else 'Below is an "
-        r"instruction that describes a task. Write a response that appropriately completes the request.' -%}"
-        r"{{ system + '\n\n' }}"
-        r"{%- if tools -%}{{ '### Tools:\n' + (tools | tojson) + '\n\n' }}{%- endif -%}"
-        r"{%- for m in rest -%}"
-        r"{%- if m['role'] == 'user' -%}{{ '### Instruction:\n' + m['content'] + '\n\n' }}"
-        r"{%- elif m['role'] == 'tool' -%}{{ '### Observation:\n' + m['content'] + '\n\n' }}"
-        r"{%- else -%}{{ '### Response:\n' + m['content'] + (eos_token or '') + '\n\n' }}{%- endif -%}"
-        r"{%- endfor -%}"
-        r"{%- if add_generation_prompt -%}{{ '### Response:\n' }}{%- endif -%}"
-    ),
 }
-# Names that only say "the model's own format" (LlamaFactory template names of model families): with a
-# tokenizer that has a chat_template we use that template.
-FAMILY_TEMPLATES = frozenset(
-    {
-        "baichuan2",
-        "bailing",
-        "chatglm3",
-        "chatml",
-        "chatml_de",
-        "cohere",
-        "dbrx",
-        "deepseek",
-        "deepseek3",
-        "deepseekcoder",
-        "deepseekr1",
-        "exaone",
-        "falcon",
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gemma3n",
-        "glm4v",
-        "internvl",
-        "kimi_vl",
-        "llava",
-        "llava_next",
-        "llava_next_video",
-        "minicpm_v",
-        "mllama",
-        "paligemma",
-        "pixtral",
-        "qwen2_audio",
-        "qwen2_omni",
-        "qwen2_vl",
-        "qwen3_vl",
-        "video_llava",
-        "glm4",
-        "gpt_oss",
-        "granite3",
-        "hunyuan",
-        "intern2",
-        "intern3",
-        "llama2",
-        "llama3",
-        "llama4",
-        "mistral",
-        "ministral",
-        "olmo",
-        "openchat",
-        "phi",
-        "phi4",
-        "phi_small",
-        "qwen",
-        "qwen2",
-        "qwen3",
-        "qwen3_nothink",
-        "seed_coder",
-        "smollm",
-        "smollm2",
-        "solar",
-        "starchat",
-        "telechat",
-        "yi",
-        "zephyr",
-    }
-)
+TEMPLATES.update({name: chat_formats.source(name) for name in chat_formats.names()})
+
+# Formats rather than model families: the name always means our template, even when the tokenizer has one.
+GENERIC_TEMPLATES = ("default", "empty", "alpaca", "fewshot")
+# Names of model families (LlamaFactory's template names): with a tokenizer that has a chat_template we use
+# that template, token for token; without one, ours (TEMPLATES), or an error for the MODEL_ONLY names.
+FAMILY_TEMPLATES = frozenset(TEMPLATES).union(chat_formats.MODEL_ONLY).difference(GENERIC_TEMPLATES)
+_CHOICES = f"{', '.join(GENERIC_TEMPLATES)}, or a LlamaFactory template name such as qwen, llama3 or mistral"
 
 
 @dataclass(frozen=True)
@@ -190,6 +96,8 @@ def resolve_template(name: str | None, tokenizer: Any, *, enable_thinking: bool 
     """The chat template for `template: name` (None: the tokenizer's own), with the thinking options it is
     rendered with (enable_thinking None: the template's default; preserve_thinking false is every template's)."""
     named = _resolve_name(name, tokenizer)
+    if enable_thinking is None and named.source is None and (name or "").endswith("_nothink"):
+        enable_thinking = False  # LlamaFactory's *_nothink names on the model's own template: its non-thinking mode
     options = {"enable_thinking": enable_thinking} if enable_thinking is not None else {}
     if preserve_thinking:
         options["preserve_thinking"] = True
@@ -198,12 +106,11 @@ def resolve_template(name: str | None, tokenizer: Any, *, enable_thinking: bool 
 
 def _resolve_name(name: str | None, tokenizer: Any) -> ChatTemplate:
     has_own = bool(getattr(tokenizer, "chat_template", None))
-    choices = ", ".join(TEMPLATES)
     if name is None:
         if not has_own:
             raise DataError(
                 f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat_template; "
-                f"set template to one of {choices}"
+                f"set template to one of {_CHOICES}"
             )
         return ChatTemplate("tokenizer", None)
     if name in FAMILY_TEMPLATES and has_own:
@@ -211,15 +118,12 @@ def _resolve_name(name: str | None, tokenizer: Any) -> ChatTemplate:
         return ChatTemplate("tokenizer", None)
     if name in TEMPLATES:
         return ChatTemplate(name, TEMPLATES[name])
-    if name in FAMILY_TEMPLATES:
+    if name in chat_formats.MODEL_ONLY:
         raise DataError(
-            f"template '{name}' names a model family, but the tokenizer has no chat_template of its "
-            f"own; use a tokenizer that has one, or set template to one of {choices}"
+            f"template '{name}' needs the model's own chat template ({chat_formats.MODEL_ONLY[name]}), but the "
+            f"tokenizer has no chat_template; use the model's tokenizer, or set template to one of {_CHOICES}"
         )
-    raise DataError(
-        f"unknown template '{name}'; choose one of {choices} (or a model family name such as "
-        f"qwen, llama3 or mistral when the tokenizer has its own chat_template), or leave it unset"
-    )
+    raise DataError(f"unknown template '{name}'; choose one of {_CHOICES} (README: Chat templates), or leave it unset")
 
 
 def parse_tools(tools: str | None) -> list[dict[str, Any]] | None:
@@ -362,7 +266,7 @@ def _locate(full: str, before: str, through: str, content: str, cursor: int, ind
     if at < 0:
         raise BadRow(
             f"the chat template does not show assistant message {index} verbatim, so its tokens "
-            f"cannot be found; set template to one of {', '.join(TEMPLATES)}"
+            f"cannot be found; set template to one of {_CHOICES}"
         )
     end = at + len(content)
     marker = through[through.rfind(content) + len(content) :].rstrip()
