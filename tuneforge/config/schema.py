@@ -45,6 +45,8 @@ class ModelArgs:
     trust_remote_code: bool = opt(False, help="allow model code from the model folder / hub")
     cache_dir: str | None = opt(help="where hub downloads are cached")
     model_revision: str = opt("main", help="hub revision (branch, tag or commit)")
+    hf_hub_token: str | None = opt(help="hub token for downloads (gated / private models and adapters) and "
+                                        "export_hub_model_id's upload (default: HF_TOKEN or `hf auth login`'s)")
     flash_attn: str = opt("auto", choices=FLASH_ATTN, help="attention: auto (sdpa), disabled/eager, sdpa, fa2")
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
@@ -215,8 +217,6 @@ class HubArgs:
     hub_always_push: bool = opt(False, help="every_save: upload each checkpoint even while the previous upload runs "
                                             "(default: skip it)")
     export_hub_model_id: str | None = opt(help="tuneforge export: upload export_dir to this hub repository")
-    hf_hub_token: str | None = opt(help="hub token for downloads (model_name_or_path) and export_hub_model_id's "
-                                        "upload (default: HF_TOKEN or `hf auth login`'s)")
 
 
 @dataclass
