@@ -94,8 +94,9 @@ class Repo:
                                       run_as_future=background)
 
     def failed(self, what: str, local: Path, error: BaseException) -> HubError:
+        said = " ".join(str(error).split())  # huggingface_hub's messages span lines
         return HubError(f"{what} is complete in {local}, but the upload to {self.url} failed "
-                        f"({type(error).__name__}: {error}); the local files are kept: upload them later with "
+                        f"({type(error).__name__}: {said}); the local files are kept: upload them later with "
                         f"`hf upload {self.repo_id} {local}`" + (f" --revision {self.revision}" if self.revision else ""))
 
 

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 TRAINING_STATE = (checkpoint.OPTIMIZER, checkpoint.SCHEDULER, checkpoint.SCALER, checkpoint.RNG_STATE,
                   checkpoint.TRAINER_STATE, DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, SHARDED_CHECKPOINT)
 LAST_CHECKPOINT = "last-checkpoint"
+CARD = "README.md"  # the model card (written after training, uploaded with the output)
 
 
 def training_repo(cfg: RunConfig) -> Repo:
@@ -77,7 +78,7 @@ class HubPush(Callback):
                         "uploads every checkpoint)", path.name)
             return
         message = f"Training in progress, step {state.global_step}"
-        uploads = [(None, TRAINING_STATE)]  # the model files, to the repository's root
+        uploads = [(None, (*TRAINING_STATE, CARD))]  # the model files, to the root (its card comes at the end)
         if self.strategy == "checkpoint":
             uploads.append((LAST_CHECKPOINT, ()))
         elif self.strategy == "all_checkpoints":
