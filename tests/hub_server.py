@@ -98,7 +98,7 @@ def _handler(hub: Hub, lock: threading.Lock):
                     return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
                                                         "shouldIgnore": False} for f in files]})
                 if hub.fail_commits:
-                    return self._reply(500, {"error": "the hub is having a bad day"})
+                    return self._reply(403, {"error": "You don't have the rights to create a commit here"})
                 if revision not in hub.repos[repo]["branches"]:
                     return self._reply(404, {"error": f"Revision not found: {revision}"})
                 lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
