@@ -146,7 +146,8 @@ def _write_card(cfg: RunConfig, target: Path, folder: Path, adapters: list[Path]
         shutil.copyfile(target / card.CARD, folder / card.CARD)
         return
     gguf = Path(result["gguf_file"]).name if "gguf_file" in result else None
-    card.save(card.export_card(cfg, folder, adapters, gguf_file=gguf, repo_id=cfg.hub.export_hub_model_id), folder)
+    card.save(card.export_card(cfg, target, adapters, gguf_file=gguf, repo_id=cfg.hub.export_hub_model_id,
+                                files=folder), folder)
     result["model_card"] = str(target / card.CARD)
 
 

@@ -113,10 +113,11 @@ def training_card(cfg: RunConfig, output_dir: Path, results: dict[str, Any], log
 
 
 def export_card(cfg: RunConfig, export_dir: Path, adapters: list[Path], gguf_file: str | None = None,
-                repo_id: str | None = None) -> ModelCard:
-    """The card of an export: the base with its adapters merged (a transformers model), or a GGUF file."""
+                repo_id: str | None = None, files: Path | None = None) -> ModelCard:
+    """The card of an export: the base with its adapters merged (a transformers model), or a GGUF file. files: the
+    folder the export is being written in (default export_dir)."""
     base = base_model_id(cfg.model.model_name_or_path)
-    media = any((export_dir / f).is_file() for f in MEDIA_FILES)
+    media = any(((files or export_dir) / f).is_file() for f in MEDIA_FILES)
     trained = adapters[-1] if adapters else None
     results = _read_json(trained / "all_results.json") if trained else {}
     tags = ["tuneforge", "llama-factory-compatible", *(["merged"] if adapters else []), *(["gguf"] if gguf_file else [])]
