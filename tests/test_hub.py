@@ -41,6 +41,7 @@ def hub(online, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("TUNEFORGE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # hf_xet keeps its cache there
     yield hub
     server.shutdown()
 

@@ -34,7 +34,7 @@ EXPORT_FORMATS = ("safetensors", "gguf")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
-SWANLAB_MODES = ("cloud", "local", "offline", "disabled")
+SWANLAB_MODES = ("cloud", "online", "local", "offline", "disabled")
 
 
 @dataclass
@@ -233,7 +233,7 @@ class TrackingArgs:
     swanlab_project: str | None = opt("llamafactory", help="SwanLab: project name")
     swanlab_workspace: str | None = opt(help="SwanLab: workspace (organization; default: your own)")
     swanlab_run_name: str | None = opt(help="SwanLab: experiment name (default: run_name, else SwanLab's)")
-    swanlab_mode: str = opt("cloud", choices=SWANLAB_MODES, help="SwanLab: cloud (upload; needs an API key), local "
+    swanlab_mode: str = opt("cloud", choices=SWANLAB_MODES, help="SwanLab: cloud / online (upload; needs an API key), local "
                             "(swanlab[dashboard]'s local board), offline (files in swanlab_logdir, `swanlab sync` "
                             "later) or disabled")
     swanlab_api_key: str | None = opt(help="SwanLab: API key for cloud mode (default: SWANLAB_API_KEY or `swanlab "

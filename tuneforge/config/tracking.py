@@ -31,8 +31,8 @@ def requested_reporters(cfg: RunConfig) -> list[str]:
     transformers), and swanlab for use_swanlab (LlamaFactory's switch; once, when report_to names it too)."""
     report_to = cfg.train.report_to
     wanted = [r for r in report_to if r not in ("none", "all")]
-    if "all" in report_to:
-        wanted += [r for r in REPORTERS if installed(r)]
+    if "all" in report_to:  # an installed MLflow whose store cannot open here is left out (named: refused)
+        wanted += [r for r in REPORTERS if installed(r) and not (r == "mlflow" and mlflow_store_problem())]
     if cfg.tracking.use_swanlab:
         wanted.append("swanlab")
     return list(dict.fromkeys(wanted))
@@ -49,12 +49,8 @@ def reporter_problem(cfg: RunConfig) -> tuple[str, str] | None:
             return (f"{key}: {name} needs the {REPORTERS[name][1]} package: pip install {REPORTERS[name][1]} (or "
                     f"pip install 'tuneforge[tracking]'), or drop {name} from {key}"), key
     wanted = requested_reporters(cfg)
-    if "mlflow" in wanted:
-        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-        if (not uri or uri.startswith("sqlite")) and importlib.util.find_spec("sqlalchemy") is None:
-            return ("report_to: mlflow writes to MLFLOW_TRACKING_URI, whose default (sqlite:///mlflow.db) needs the "
-                    "full mlflow package: pip install mlflow, or set MLFLOW_TRACKING_URI to your tracking server "
-                    "(http://host:5000)"), "report_to"
+    if "mlflow" in wanted and mlflow_store_problem():
+        return f"report_to: mlflow {mlflow_store_problem()}", "report_to"
     t = cfg.tracking
     if "swanlab" in wanted:
         if t.swanlab_mode == "local" and importlib.util.find_spec("swanboard") is None:
@@ -63,6 +59,15 @@ def reporter_problem(cfg: RunConfig) -> tuple[str, str] | None:
                     "swanlab_mode")
         if t.swanlab_lark_secret and not t.swanlab_lark_webhook_url:
             return "swanlab_lark_secret signs the Lark webhook: set swanlab_lark_webhook_url too", "swanlab_lark_secret"
+    return None
+
+
+def mlflow_store_problem() -> str | None:
+    """Why MLflow's store cannot open here: a database store (its default) without the full mlflow package."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if (not uri or uri.startswith("sqlite")) and importlib.util.find_spec("sqlalchemy") is None:
+        return ("writes to MLFLOW_TRACKING_URI, whose default (sqlite:///mlflow.db) needs the full mlflow package: "
+                "pip install mlflow, or set MLFLOW_TRACKING_URI to your tracking server (http://host:5000)")
     return None
 
 

@@ -109,7 +109,7 @@ class SwanLab:
         import swanlab
 
         t = cfg.tracking
-        mode = "online" if t.swanlab_mode == "cloud" else t.swanlab_mode
+        mode = "online" if t.swanlab_mode == "cloud" else t.swanlab_mode  # SwanLab's word for LlamaFactory's
         if t.swanlab_api_key and mode == "online":
             swanlab.login(api_key=t.swanlab_api_key)
         callbacks = []
