@@ -78,7 +78,8 @@ def train(cfg: RunConfig, ask: str | None = None, argv: list[str] | None = None)
     (LlamaFactory's way), returning eval's results. argv: the command line to relaunch under torchrun
     (default: this config, written to a temporary file)."""
     check_request(cfg, ask)
-    if cfg.train.do_train and cfg.hub.push_to_hub:  # the hub reachable and the token able to write, before loading
+    # the hub reachable and the token able to write, before loading (once: ranks other than 0 do not upload)
+    if cfg.train.do_train and cfg.hub.push_to_hub and os.environ.get("RANK", "0") == "0":
         from tuneforge.hub import check_access
 
         check_access(cfg.hub.hub_token or cfg.model.hf_hub_token, "push_to_hub", "hub_token", cfg.source)

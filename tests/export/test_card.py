@@ -121,3 +121,15 @@ def test_save_rewrites_only_its_own_card(tmp_path, written_by_us):
     assert (card.save(made, tmp_path) is not None) is written_by_us
     assert ("new" in (tmp_path / "README.md").read_text()) is written_by_us
     assert [p.name for p in tmp_path.iterdir()] == ["README.md"]  # no temporary file left
+
+
+@pytest.mark.parametrize(("stage", "pipeline", "head_note"), [("rm", None, True), ("ppo", "text-generation", False),
+                                                              ("sft", "text-generation", False)])
+def test_the_card_says_what_kind_of_model_the_stage_made(tmp_path, stage, pipeline, head_note):
+    keys = {"reward_model": "http://127.0.0.1:1/score", "reward_model_type": "api"} if stage == "ppo" else {}
+    cfg = from_dict({"model_name_or_path": "org/base", "stage": stage, "dataset": "d", "output_dir": str(tmp_path / "o"),
+                     **keys}, for_training=False)
+    made = card.training_card(cfg, tmp_path, {}, [])
+    assert made.data.pipeline_tag == pipeline and made.data.base_model == "org/base"
+    assert ("value_head.safetensors" in made.content) is head_note
+    assert ("model.generate(" in made.content) is (pipeline is not None)

@@ -106,7 +106,7 @@ def training_card(cfg: RunConfig, output_dir: Path, results: dict[str, Any], log
         "", "## Results", "", *_table({k: v for k, v in results.items() if not isinstance(v, (list, dict))}),
         *_evaluations(log_history),
         "", "## How to use", "", *_usage(repo_id or str(output_dir.resolve()), base or cfg.model.model_name_or_path,
-                                         adapter, media, value_head=stage.value_head),
+                                         adapter, media, value_head=stage.value_head and not stage.critic),
         "", "## Framework versions", "", *_versions(),
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{MARKER}\n\n" + "\n".join(lines) + "\n")
