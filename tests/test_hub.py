@@ -83,6 +83,8 @@ def test_a_token_that_cannot_write_is_refused_before_loading(tmp_path, tiny_mode
 
 
 def test_every_save_uploads_each_checkpoint_model_then_the_output(tmp_path, tiny_model_dir, hub):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "webui_config.yaml").write_text(f"hub_token: {GOOD}\n")  # a UI's saved config
     cfg = train_cfg(tmp_path, tiny_model_dir, hub_model_id="tuned", hub_private_repo=True, hub_strategy="every_save",
                     hub_always_push=True)
     workflow.train(cfg)
@@ -99,6 +101,7 @@ def test_every_save_uploads_each_checkpoint_model_then_the_output(tmp_path, tiny
     for name in ("all_results.json", "trainer_log.jsonl", "adapter_config.json", "tokenizer.json"):
         assert files[name] == (out / name).read_bytes()
     assert not [p for p in files if p.startswith("checkpoint-") or p.startswith(".")]
+    assert "webui_config.yaml" not in files  # it spells out the token
     assert not list(out.glob(".hub-upload*"))  # the hard-linked upload folders are gone
 
 

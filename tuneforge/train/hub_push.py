@@ -23,6 +23,7 @@ from tuneforge.config import RunConfig
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT
 from tuneforge.config.tracking import default_repo_name
+from tuneforge.errors import HubError
 from tuneforge.hub import Repo, wait
 from tuneforge.train import checkpoint
 from tuneforge.train.callbacks import STOP_FILE, Callback
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 TRAINING_STATE = (checkpoint.OPTIMIZER, checkpoint.SCHEDULER, checkpoint.SCALER, checkpoint.RNG_STATE,
                   checkpoint.TRAINER_STATE, DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, SHARDED_CHECKPOINT)
 LAST_CHECKPOINT = "last-checkpoint"
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 CARD = "README.md"  # the model card (written after training, uploaded with the output)
 
 
@@ -67,7 +69,9 @@ class HubPush(Callback):
         try:
             self.repo.create()
         except Exception as e:  # before the first step: nothing is lost by stopping here
-            raise self.repo.failed("nothing (training has not started)", self.output_dir, e) from e
+            said = " ".join(str(e).split())
+            raise HubError(f"push_to_hub: could not create {self.repo.url} ({type(e).__name__}: {said}); training "
+                           f"has not started: check hub_model_id and hub_token, or drop push_to_hub") from e
         logger.info("push_to_hub: uploading to %s (hub_strategy %s)", self.repo.url, self.strategy)
 
     def on_save(self, state: Any, path: Path) -> None:
@@ -90,6 +94,15 @@ class HubPush(Callback):
             future.add_done_callback(lambda f, folder=folder: shutil.rmtree(folder, ignore_errors=True))
             self.pending.append(future)
 
+    def files_holding_tokens(self) -> list[str]:
+        """output_dir's config files that spell out a token of this config (a UI's saved config): never uploaded."""
+        tokens = [t for t in (self.cfg.hub.hub_token, self.cfg.model.hf_hub_token) if t]
+        held = [p.name for p in self.output_dir.iterdir() if p.is_file() and p.suffix in CONFIG_SUFFIXES
+                and any(t in p.read_text(encoding="utf-8", errors="replace") for t in tokens)] if tokens else []
+        for name in held:
+            logger.warning("push_to_hub: %s holds the hub token and is not uploaded", name)
+        return held
+
     def finish(self, results: dict[str, Any]) -> None:
         """After the outputs (model card included) are written: wait for the checkpoints' uploads, then upload
         output_dir (not for a stopped run, whose model is its last checkpoint). An upload that failed raises a
@@ -100,7 +113,8 @@ class HubPush(Callback):
         self.pending = []
         if results.get("status") == "stopped":
             return
-        ignore = [".*", STOP_FILE] + ([] if self.strategy == "all_checkpoints" else ["checkpoint-*"])
+        ignore = [".*", STOP_FILE, *self.files_holding_tokens()]
+        ignore += [] if self.strategy == "all_checkpoints" else ["checkpoint-*"]
         try:
             self.repo.upload(self.output_dir, "End of training", ignore=ignore)
         except Exception as e:
