@@ -1,6 +1,6 @@
 """report_to's trackers get the numbers trainer_log.jsonl gets, under train/... and eval/..., and the config without
-its secrets. MLflow (a local file store), SwanLab (offline mode) and trackio (a local database) run here and are
-read back; every store lives under tmp_path (HOME too)."""
+its secrets. TensorBoard, MLflow (a local file store), SwanLab (offline mode) and trackio (a local database) run here
+and are read back; every store lives under tmp_path (HOME too)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def local_stores(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_mlflow_swanlab_and_trackio_get_the_logged_numbers_and_the_config(tiny_model_dir, local_stores, monkeypatch):
+def test_every_tracker_gets_the_logged_numbers_and_the_config(tiny_model_dir, local_stores, monkeypatch):
     from tuneforge.workflow import run
 
     tmp_path = local_stores
@@ -102,7 +102,7 @@ def test_mlflow_swanlab_and_trackio_get_the_logged_numbers_and_the_config(tiny_m
         "output_dir": str(tmp_path / "out"), "max_samples": 16, "cutoff_len": 64, "max_steps": 3,
         "per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no",
         "disable_tqdm": True, "val_size": 4, "eval_strategy": "steps", "eval_steps": 3,
-        "report_to": ["mlflow", "trackio"], "use_swanlab": True, "swanlab_mode": "offline",
+        "report_to": ["tensorboard", "mlflow", "trackio"], "use_swanlab": True, "swanlab_mode": "offline",
         "swanlab_logdir": str(tmp_path / "swanlog"), "swanlab_project": "cards", "run_name": "tiny-run",
         "project": "tuneforge-tests", "hub_token": SECRET,
     }, source="trackers.yaml")
@@ -111,6 +111,13 @@ def test_mlflow_swanlab_and_trackio_get_the_logged_numbers_and_the_config(tiny_m
     losses = {r["current_steps"]: r["loss"] for r in log if "loss" in r}
     eval_loss = next(r["eval_loss"] for r in log if "eval_loss" in r)
     assert sorted(losses) == [1, 2, 3]
+
+    # TensorBoard: output_dir/runs, the names the other trackers use
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "out" / "runs")).Reload()
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(losses)
+    assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx([eval_loss])
 
     # MLflow: one run named run_name, the params, every step's loss, the evaluation
     from mlflow.tracking import MlflowClient
