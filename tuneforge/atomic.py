@@ -145,3 +145,20 @@ def replace_folder(new: Path, target: Path, *, keep_existing: bool = False) -> N
         os.rename(old, target)  # put the previous folder back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_file(path: str | Path, text: str) -> Path:
+    """Write a text file atomically: a hidden temporary sibling, renamed over `path` (a reader sees the old file or
+    the new one, never part of one), with the mode an ordinary new file gets."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

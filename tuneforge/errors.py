@@ -33,3 +33,7 @@ class ModelError(TuneforgeError):
 
 class TrainingError(TuneforgeError):
     """Training cannot go on (a NaN loss, a checkpoint that does not match)."""
+
+
+class HubError(TuneforgeError):
+    """An upload to the Hugging Face hub failed (the local files are complete and stay where they are)."""

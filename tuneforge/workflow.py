@@ -78,6 +78,11 @@ def train(cfg: RunConfig, ask: str | None = None, argv: list[str] | None = None)
     (LlamaFactory's way), returning eval's results. argv: the command line to relaunch under torchrun
     (default: this config, written to a temporary file)."""
     check_request(cfg, ask)
+    # the hub reachable and the token able to write, before loading (once: ranks other than 0 do not upload)
+    if cfg.train.do_train and cfg.hub.push_to_hub and os.environ.get("RANK", "0") == "0":
+        from tuneforge.hub import check_access
+
+        check_access(cfg.hub.hub_token or cfg.model.hf_hub_token, "push_to_hub", "hub_token", cfg.source)
     if not cfg.train.do_train:
         from tuneforge.eval import evaluate
         from tuneforge.model.inference import use_trained_output
@@ -185,6 +190,7 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     from tuneforge.train import Trainer
     from tuneforge.train.objectives import build_objective
     from tuneforge.train.strategy import build_strategy
+    from tuneforge.train.trainer import rank_and_world_size
 
     stage = stage_of(cfg.method.stage)
     seed_everything(cfg.train.seed)
@@ -220,13 +226,35 @@ def _run(cfg: RunConfig, ask: str | None) -> dict[str, Any]:
     files = splits.processor or tokenizer
     for owner in (tokenizer,) if files is tokenizer else (tokenizer, files):
         record_thinking(owner, cfg.data.enable_thinking)
+    pusher = None
+    if cfg.hub.push_to_hub and rank_and_world_size()[0] == 0:  # rank 0 uploads
+        from tuneforge.train.hub_push import HubPush
+
+        pusher = HubPush(cfg)
     trainer = Trainer(cfg, model, files, train_rows, eval_rows, collator, objective=objective, strategy=strategy,
-                      eval_parts=splits.stats.get("eval_parts"))
+                      callbacks=[pusher] if pusher else [], eval_parts=splits.stats.get("eval_parts"))
     results = trainer.train()
+    if trainer.is_main:
+        finish_outputs(cfg, trainer, results, pusher)
     if ask:
         after = ask_model(cfg, model, tokenizer, ask, splits.processor)
         results["answers"] = {"question": ask, "before": before, "after": after}
     return {**results, **loss_curve(Path(cfg.train.output_dir)), "output_dir": cfg.train.output_dir}
+
+
+def finish_outputs(cfg: RunConfig, trainer, results: dict[str, Any], pusher=None) -> None:
+    """Rank 0, after training: the model card in output_dir (a finished run's), then push_to_hub's final upload."""
+    from tuneforge.export import card
+
+    output_dir = Path(cfg.train.output_dir)
+    if results.get("status") != "stopped":
+        repo_id = pusher.repo.repo_id if pusher else None
+        written = card.save(card.training_card(cfg, output_dir, results, trainer.state.log_history,
+                                               processes=trainer.world_size, repo_id=repo_id), output_dir)
+        if written:
+            logger.info("model card: %s", written)
+    if pusher is not None:
+        pusher.finish(results)
 
 
 def check_reward_columns(cfg: RunConfig, splits) -> None:

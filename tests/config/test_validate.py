@@ -44,7 +44,7 @@ def cfg(tmp_path, **kw):
         ({"early_stopping_steps": 3}, "early_stopping_steps watches the evaluation"),
         ({"interleave_probs": "0.5,0.5"}, "needs mix_strategy interleave"),
         ({"mix_strategy": "interleave_under", "interleave_probs": "0.7,0.7", "dataset": "a,b"}, "sum to 1"),
-        ({"report_to": "mlflow"}, "report_to: 'mlflow' is not one of"),
+        ({"report_to": "comet_ml"}, "report_to: 'comet_ml' is not one of"),
         ({"adapter_name_or_path": "a", "finetuning_type": "full"}, "adapter_name_or_path needs"),
         ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs > 0 or max_steps > 0"),
         ({"train_on_prompt": True, "mask_history": True}, "choose one"),

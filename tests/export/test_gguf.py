@@ -49,7 +49,10 @@ def test_gguf_loads_back_with_the_sources_logits(make_cfg, small_vocab_dir, smal
     result = export_model(cfg)
     out, gguf_file = Path(cfg.export.export_dir), Path(result["gguf_file"])
     assert gguf_file.parent == out and gguf_file.name == f"out-{gguf_type}.gguf"
-    assert sorted(p.name for p in out.iterdir()) == sorted(["Modelfile", gguf_file.name]) and siblings(out) == []
+    assert sorted(p.name for p in out.iterdir()) == sorted(["Modelfile", "README.md", gguf_file.name])
+    assert siblings(out) == []
+    card = (out / "README.md").read_text()
+    assert "- gguf" in card and f"as `{gguf_file.name}` (GGUF)" in card and "library_name" not in card
     assert f"FROM ./{gguf_file.name}\n" in (out / "Modelfile").read_text()
     logits = hf_logits(out, ids, gguf_file=gguf_file.name)
     with torch.no_grad():

@@ -33,6 +33,8 @@ INFER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPORT_FORMATS = ("safetensors", "gguf")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+SWANLAB_MODES = ("cloud", "online", "local", "offline", "disabled")
 
 
 @dataclass
@@ -43,6 +45,8 @@ class ModelArgs:
     trust_remote_code: bool = opt(False, help="allow model code from the model folder / hub")
     cache_dir: str | None = opt(help="where hub downloads are cached")
     model_revision: str = opt("main", help="hub revision (branch, tag or commit)")
+    hf_hub_token: str | None = opt(help="hub token for downloads (gated / private models and adapters) and "
+                                        "export_hub_model_id's upload (default: HF_TOKEN or `hf auth login`'s)")
     flash_attn: str = opt("auto", choices=FLASH_ATTN, help="attention: auto (sdpa), disabled/eager, sdpa, fa2")
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
@@ -182,7 +186,8 @@ class TrainArgs:
     early_stopping_steps: int | None = opt(help="stop after N evaluations without a better eval_loss")
     resume_from_checkpoint: bool | str | None = opt(help="true: the latest checkpoint in output_dir; or a path")
     plot_loss: bool = opt(False, help="write training_loss.png (and training_eval_loss.png)")
-    report_to: list[str] = opt(["none"], help="none, tensorboard, wandb")
+    report_to: list[str] = opt(["none"], help="none, all, or any of tensorboard, wandb, mlflow, swanlab, trackio "
+                                          "(each needs its package: pip install 'tuneforge[tracking]')")
     disable_tqdm: bool = opt(False, help="no progress bar")
     ddp_timeout: int = opt(1800, help="seconds a collective of the training processes may wait")
     data_wait_timeout: int = opt(86400, help="seconds the other processes wait while the main one tokenizes")
@@ -197,6 +202,52 @@ class TrainArgs:
     )
     do_predict: bool = opt(False, help="generate answers for the eval set (with predict_with_generate)")
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
+
+
+@dataclass
+class HubArgs:
+    """Uploading to the Hugging Face hub (transformers' / LlamaFactory's keys): the training output (push_to_hub) and
+    `tuneforge export`'s folder (export_hub_model_id). Checked (hub reachable, token can write) before the model
+    loads."""
+
+    push_to_hub: bool = opt(False, help="upload output_dir (model or adapter, model card, results) to the hub")
+    hub_model_id: str | None = opt(help="the hub repository (owner/name, or name in your namespace; default: "
+                                        "output_dir's folder name)")
+    hub_token: str | None = opt(help="token that can write to hub_model_id (default: HF_TOKEN or `hf auth login`'s)")
+    hub_private_repo: bool | None = opt(help="create the repository private (default: the owner's default); an "
+                                             "existing repository keeps its visibility")
+    hub_strategy: str = opt("every_save", choices=HUB_STRATEGIES,
+                            help="end: upload once, at the end; every_save: also the model at each checkpoint (in "
+                                 "the background); checkpoint: that plus the latest checkpoint in last-checkpoint/; "
+                                 "all_checkpoints: every checkpoint-N folder too")
+    hub_revision: str | None = opt(help="the branch to upload to (created from main when missing; default main)")
+    hub_always_push: bool = opt(False, help="every_save: upload each checkpoint even while the previous upload runs "
+                                            "(default: skip it)")
+    export_hub_model_id: str | None = opt(help="tuneforge export: upload export_dir to this hub repository")
+
+
+@dataclass
+class TrackingArgs:
+    """The experiment trackers' settings (report_to picks them): run_name for all of them, project and trackio_* for
+    trackio (transformers' keys), use_swanlab and swanlab_* for SwanLab (LlamaFactory's keys)."""
+
+    run_name: str | None = opt(help="the run's name in wandb, mlflow, trackio and swanlab (default: theirs)")
+    project: str = opt("huggingface", help="trackio: the project the run is logged under")
+    trackio_space_id: str | None = opt(help="trackio: log to this Hugging Face Space (default: locally, in "
+                                            "TRACKIO_DIR or the Hugging Face cache)")
+    trackio_bucket_id: str | None = opt(help="trackio: the hub bucket a trackio Space stores its logs in")
+    use_swanlab: bool = opt(False, help="log to SwanLab (as report_to: swanlab)")
+    swanlab_project: str | None = opt("llamafactory", help="SwanLab: project name")
+    swanlab_workspace: str | None = opt(help="SwanLab: workspace (organization; default: your own)")
+    swanlab_run_name: str | None = opt(help="SwanLab: experiment name (default: run_name, else SwanLab's)")
+    swanlab_mode: str = opt("cloud", choices=SWANLAB_MODES, help="SwanLab: cloud / online (upload; needs an API key), local "
+                            "(swanlab[dashboard]'s local board), offline (files in swanlab_logdir, `swanlab sync` "
+                            "later) or disabled")
+    swanlab_api_key: str | None = opt(help="SwanLab: API key for cloud mode (default: SWANLAB_API_KEY or `swanlab "
+                                           "login`'s)")
+    swanlab_logdir: str | None = opt(help="SwanLab: folder of its run files (default: SwanLab's, ./swanlog)")
+    swanlab_lark_webhook_url: str | None = opt(help="SwanLab: Lark (Feishu) webhook told when the run starts / ends")
+    swanlab_lark_secret: str | None = opt(help="SwanLab: the Lark webhook's signing secret")
 
 
 REWARD_MODEL_TYPES = ("lora", "full", "api")
@@ -321,6 +372,7 @@ class RayArgs:
 GROUPS = {
     "model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs,
     "rl": RLArgs, "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs, "ray": RayArgs,
+    "hub": HubArgs, "tracking": TrackingArgs,
 }
 
 
@@ -335,6 +387,8 @@ class RunConfig:
     export: ExportArgs = field(default_factory=ExportArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
     ray: RayArgs = field(default_factory=RayArgs)
+    hub: HubArgs = field(default_factory=HubArgs)
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
     source: str = "<overrides>"  # the file the config came from, for messages
 
     def to_dict(self) -> dict[str, Any]:

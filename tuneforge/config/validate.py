@@ -11,6 +11,7 @@ from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.rl import check_rl
 from tuneforge.config.schema import RunConfig
+from tuneforge.config.tracking import check_tracking
 from tuneforge.errors import ConfigError
 from tuneforge.stages import (
     REFERENCE_BY_KL,
@@ -162,12 +163,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         if t.eval_strategy == "no":
             fail("early_stopping_steps watches the evaluation (metric_for_best_model, default eval_loss): set "
                  "eval_strategy: steps and val_size or eval_dataset", key=("early_stopping_steps", "eval_strategy"))
-    bad_reports = [r for r in t.report_to if r not in ("none", "tensorboard", "wandb", "all")]
-    if bad_reports:
-        fail(f"report_to: {bad_reports[0]!r} is not one of none, tensorboard, wandb, all", key="report_to")
-    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-        if name in t.report_to and importlib.util.find_spec(module) is None:
-            fail(f"report_to: {name} needs the {module} package: pip install {module}, or drop it from report_to", key="report_to")
+    check_tracking(cfg, fail, for_training)  # report_to's trackers, the hub keys' values
     _check_scheduler(cfg, fail)
 
     _check_ray(cfg, fail)

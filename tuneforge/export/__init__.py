@@ -85,11 +85,15 @@ def _check(cfg: RunConfig) -> tuple[Path, list[Path], Path | None]:
     if target.exists():
         if not target.is_dir():
             raise ConfigError(f"{src}: export_dir {e.export_dir} is a file; choose a folder")
-        names = [p.name for p in target.iterdir()]
+        names = [p.name for p in target.iterdir() if p.name != "README.md"]  # a card of the user's is kept
         looks_exported = any(n in EXPORT_MARKERS or n.endswith(".gguf") for n in names)
         if names and not looks_exported:
             raise ConfigError(f"{src}: export_dir {e.export_dir} holds other files (not an exported model), which "
                               f"an export would replace; choose an empty or new folder")
+    if cfg.hub.export_hub_model_id:  # the hub reachable and the token able to write, before the weights load
+        from tuneforge.hub import check_access
+
+        check_access(cfg.model.hf_hub_token or cfg.hub.hub_token, "export_hub_model_id", "hf_hub_token", src)
     return target, sources, head
 
 
@@ -134,8 +138,39 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
             notes = _write_gguf(cfg, model, tokenizer, template, stops, turns, target, tmp, result)
         else:
             notes = _write_hf(cfg, model, tokenizer, template, stops, turns, head, tmp, result, processor)
+        _write_card(cfg, target, tmp, sources[1:], result)
     result["summary"] = _summary(cfg, sources, result, notes)
+    if cfg.hub.export_hub_model_id:
+        result["summary"].append(_push(cfg, target))
     return result
+
+
+def _write_card(cfg: RunConfig, target: Path, folder: Path, adapters: list[Path], result: dict) -> None:
+    """README.md: tuneforge's model card, or the one a user put in export_dir before (kept)."""
+    from tuneforge.export import card
+
+    if not card.is_ours(target):
+        shutil.copyfile(target / card.CARD, folder / card.CARD)
+        return
+    gguf = Path(result["gguf_file"]).name if "gguf_file" in result else None
+    card.save(card.export_card(cfg, target, adapters, gguf_file=gguf, repo_id=cfg.hub.export_hub_model_id,
+                                files=folder), folder)
+    result["model_card"] = str(target / card.CARD)
+
+
+def _push(cfg: RunConfig, target: Path) -> str:
+    """export_dir to export_hub_model_id (public unless hub_private_repo); a failure keeps the export."""
+    from tuneforge.hub import Repo
+
+    h = cfg.hub
+    repo = Repo(cfg.hub.export_hub_model_id, token=cfg.model.hf_hub_token or h.hub_token, private=h.hub_private_repo,
+                revision=h.hub_revision)
+    try:
+        repo.create()
+        repo.upload(target, "Upload model exported by tuneforge")
+    except Exception as e:
+        raise repo.failed("the export", target, e) from e
+    return f"uploaded to {repo.url}"
 
 
 def _stop_texts(tokenizer: Any, stops: Any) -> list[str]:

@@ -323,7 +323,8 @@ def continue_adapters(model: nn.Module, cfg: RunConfig) -> nn.Module:
     """Load adapter_name_or_path: merge all but the last, continue the last (or, with create_new_adapter,
     merge them all and add a fresh one)."""
     m, method = cfg.model, cfg.method
-    folders = [resolve_adapter(p, cache_dir=m.cache_dir, revision=m.model_revision)
+    folders = [resolve_adapter(p, cache_dir=m.cache_dir, revision=m.model_revision,
+                                 token=m.hf_hub_token)
                for p in m.adapter_name_or_path]
     for folder in folders:
         _check_adapter_type(folder, method.finetuning_type)

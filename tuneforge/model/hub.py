@@ -22,7 +22,8 @@ BUILTIN_NAME = "smollm2-135m-instruct"
 BUILTIN_ALIASES = {BUILTIN_NAME, "smollm2", "smollm2-135m"}
 
 
-def resolve(name_or_path: str, *, cache_dir: str | None = None, revision: str = "main") -> Path:
+def resolve(name_or_path: str, *, cache_dir: str | None = None, revision: str = "main",
+            token: str | None = None) -> Path:
     """A local folder holding config.json (and weights) for `name_or_path`."""
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -37,17 +38,18 @@ def resolve(name_or_path: str, *, cache_dir: str | None = None, revision: str = 
             f"model '{name_or_path}' is neither a local folder nor a hub id (owner/name) nor a built-in "
             f"alias ({BUILTIN_NAME})"
         )
-    return _from_hub(name_or_path, cache_dir=cache_dir, revision=revision, what="model")
+    return _from_hub(name_or_path, cache_dir=cache_dir, revision=revision, what="model", token=token)
 
 
-def resolve_adapter(name_or_path: str, *, cache_dir: str | None = None, revision: str = "main") -> Path:
+def resolve_adapter(name_or_path: str, *, cache_dir: str | None = None, revision: str = "main",
+                    token: str | None = None) -> Path:
     """A local folder holding adapter_config.json for `name_or_path` (a folder or a hub id)."""
     path = Path(name_or_path).expanduser()
     if not path.exists():
         if not _looks_like_hub_id(name_or_path):
             raise ModelError(f"adapter '{name_or_path}' is neither a local folder nor a hub id (owner/name); "
                              f"point adapter_name_or_path at the folder a lora / oft run saved")
-        path = _from_hub(name_or_path, cache_dir=cache_dir, revision=revision, what="adapter")
+        path = _from_hub(name_or_path, cache_dir=cache_dir, revision=revision, what="adapter", token=token)
     if not (path / "adapter_config.json").is_file():
         raise ModelError(f"adapter folder {path} has no adapter_config.json; point adapter_name_or_path at the "
                          f"folder a lora / oft run saved (adapter_config.json + adapter_model.safetensors)")
@@ -58,14 +60,14 @@ def _looks_like_hub_id(name: str) -> bool:
     return not name.startswith((".", "/", "~")) and name.count("/") == 1
 
 
-def _from_hub(repo_id: str, *, cache_dir: str | None, revision: str, what: str) -> Path:
+def _from_hub(repo_id: str, *, cache_dir: str | None, revision: str, what: str, token: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     offline = env_flag("HF_HUB_OFFLINE")
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,
                                       allow_patterns=patterns, local_files_only=offline))
     except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
         where = "the hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache" if offline else str(e)

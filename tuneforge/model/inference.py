@@ -77,7 +77,8 @@ def use_trained_output(cfg: RunConfig) -> RunConfig:
 
 def adapter_folders(cfg: RunConfig) -> list[Path]:
     m = cfg.model
-    return [resolve_adapter(a, cache_dir=m.cache_dir, revision=m.model_revision) for a in m.adapter_name_or_path or []]
+    return [resolve_adapter(a, cache_dir=m.cache_dir, revision=m.model_revision,
+                                 token=m.hf_hub_token) for a in m.adapter_name_or_path or []]
 
 
 def value_head_folder(cfg: RunConfig) -> Path | None:

@@ -32,7 +32,8 @@ def resolve_model_path(model_args: ModelArgs) -> Path:
     """The local folder of cfg.model.model_name_or_path (downloaded / converted if needed)."""
     if not model_args.model_name_or_path:
         raise ConfigError("model_name_or_path is required (a local folder, a hub id, or smollm2-135m-instruct)")
-    return resolve(model_args.model_name_or_path, cache_dir=model_args.cache_dir, revision=model_args.model_revision)
+    return resolve(model_args.model_name_or_path, cache_dir=model_args.cache_dir,
+                   revision=model_args.model_revision, token=model_args.hf_hub_token)
 
 
 def load_tokenizer(model_args: ModelArgs) -> PreTrainedTokenizerBase:
@@ -165,7 +166,8 @@ def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTra
     model.config.use_cache = False
     _use_packed_sdpa(model, cfg)
     for adapter in method.ref_model_adapters or []:
-        folder = resolve_adapter(adapter, cache_dir=m.cache_dir, revision=m.model_revision)
+        folder = resolve_adapter(adapter, cache_dir=m.cache_dir, revision=m.model_revision,
+                                 token=m.hf_hub_token)
         model = load_adapter(model, folder, trainable=False).merge_and_unload()
         logger.info("reference: merged adapter %s", folder)
     model.requires_grad_(False)
@@ -187,7 +189,8 @@ def reference_identity(cfg: RunConfig) -> dict[str, object]:
         # or all of them with create_new_adapter)
         given = m.adapter_name_or_path or []
         adapters = given if method.create_new_adapter else given[:-1]
-    folders += [resolve_adapter(a, cache_dir=m.cache_dir, revision=m.model_revision) for a in adapters or []]
+    folders += [resolve_adapter(a, cache_dir=m.cache_dir, revision=m.model_revision,
+                                 token=m.hf_hub_token) for a in adapters or []]
     files = [
         (str(p), p.stat().st_size, p.stat().st_mtime_ns)
         for folder in folders

@@ -1,5 +1,5 @@
 """The run's hooks: what a run tells the user (log lines or a progress bar, trainer_log.jsonl, loss plots,
-TensorBoard / W&B) and when it stops early (a signal, or a STOP file in output_dir).
+TensorBoard, W&B, MLflow, SwanLab, trackio) and when it stops early (a signal, or a STOP file in output_dir).
 
 The Trainer calls a list of `Callback`s at fixed points: on_begin, on_step (after every optimizer step),
 on_log (a training log entry), on_evaluate (an evaluation's entry), on_save (a checkpoint written), on_end
@@ -12,7 +12,6 @@ read it unchanged.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -27,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from tuneforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -165,54 +162,6 @@ class Progress:
         if self._redirect is not None:
             self._redirect.__exit__(None, None, None)
             self._redirect = None
-
-
-def requested_reporters(report_to: list[str], source: str) -> list[str]:
-    """The reporters to build; a named one that is not installed is a ConfigError (before training)."""
-    packages = {"tensorboard": "tensorboard", "wandb": "wandb"}
-    wanted = [r for r in report_to if r not in ("none", "all")]
-    if "all" in report_to:  # "all" means every installed integration, as in Hugging Face
-        wanted += [r for r, pkg in packages.items() if importlib.util.find_spec(pkg) is not None]
-    for name in wanted:
-        if importlib.util.find_spec(packages[name]) is None:
-            raise ConfigError(
-                f"{source}: report_to {name} needs the {packages[name]} package: "
-                f"pip install {packages[name]} (or remove {name} from report_to)"
-            )
-    return list(dict.fromkeys(wanted))
-
-
-class Reporters:
-    """TensorBoard (output_dir/runs) and Weights & Biases, fed the same numbers as the log."""
-
-    def __init__(self, names: list[str], output_dir: str | Path, config: dict[str, Any]) -> None:
-        self.tensorboard = None
-        self.wandb = None
-        if "tensorboard" in names:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
-        if "wandb" in names:
-            import wandb
-
-            self.wandb = wandb.run or wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "tuneforge"), config=config, dir=str(output_dir)
-            )
-
-    def log(self, step: int, values: dict[str, Any]) -> None:
-        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and k not in ("step",)}
-        if self.tensorboard is not None:
-            for key, value in numbers.items():
-                prefix = "eval/" if key.startswith("eval_") or key == "perplexity" else "train/"
-                self.tensorboard.add_scalar(prefix + key.removeprefix("eval_"), value, step)
-        if self.wandb is not None:
-            self.wandb.log(numbers, step=step)
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def smooth(values: list[float]) -> list[float]:
@@ -403,10 +352,12 @@ class ProgressCallback(Callback):
 
 
 class ReportersCallback(Callback):
-    """TensorBoard / W&B (report_to), fed every log and evaluation entry."""
+    """The trackers of report_to (train/reporters.py), fed every log and evaluation entry."""
 
-    def __init__(self, names: list[str], output_dir: Path, config: dict[str, Any]) -> None:
-        self.reporters = Reporters(names, output_dir, config)
+    def __init__(self, names: list[str], cfg: Any, output_dir: Path) -> None:
+        from tuneforge.train.reporters import Reporters
+
+        self.reporters = Reporters(names, cfg, output_dir)
 
     def on_log(self, state: Any, entry: dict[str, Any]) -> None:
         self.reporters.log(state.global_step, entry)

@@ -356,6 +356,9 @@ def save_final_model(
         model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    # peft's save_pretrained writes a template README.md: the model card is written after training (and a user's
+    # README.md in output_dir must survive the save)
+    (tmp / "README.md").unlink(missing_ok=True)
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         dest = output_dir / path.relative_to(tmp)
         dest.parent.mkdir(parents=True, exist_ok=True)

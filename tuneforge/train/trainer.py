@@ -48,7 +48,7 @@ from tuneforge.batch import Batch, sample_seed
 from tuneforge.config import RunConfig
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
-from tuneforge.train import checkpoint
+from tuneforge.train import checkpoint, reporters
 from tuneforge.train.objectives import Objective, lm_objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
 from tuneforge.train.strategy import Strategy, build_strategy
@@ -284,7 +284,7 @@ class Trainer:
         self.rank, self.world_size = rank_and_world_size()
         self.is_main = self.rank == 0
         self.device = next(model.parameters()).device
-        self.reporter_names = _callbacks.requested_reporters(t.report_to, cfg.source)
+        self.reporter_names = reporters.requested(cfg)  # a tracker that cannot run: refused before training
         if t.eval_strategy != "no" and eval_dataset is None:
             raise DataError(
                 f"{cfg.source}: eval_strategy {t.eval_strategy} needs evaluation data, but none was "
@@ -660,7 +660,7 @@ class Trainer:
             own += [
                 _callbacks.ProgressCallback(self.total_steps, t.disable_tqdm, self.session),
                 _callbacks.TrainerLogCallback(self.output_dir, self.total_steps, self.session),
-                _callbacks.ReportersCallback(self.reporter_names, self.output_dir, self.cfg.to_dict()),
+                _callbacks.ReportersCallback(self.reporter_names, self.cfg, self.output_dir),
             ]
             if t.plot_loss:
                 own.append(_callbacks.PlotsCallback(self.output_dir))
