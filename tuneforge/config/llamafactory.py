@@ -58,6 +58,8 @@ IGNORED: dict[str, str] = {
     'restore_callback_states_from_checkpoint': 'a resumed run restores its whole state from the checkpoint',
     'skip_memory_metrics': 'peak memory is always reported',
     'use_kv_cache': 'generation always uses the KV cache',
+    'master_addr': "Ray Train sets up the process group itself, on its rank-0 worker's node and a free port",
+    'master_port': "Ray Train sets up the process group itself, on its rank-0 worker's node and a free port",
     'use_reentrant_gc': "gradient checkpointing is always torch's non-reentrant kind (the same gradients)",
 }
 # key -> LlamaFactory's default: the value at which the key changes nothing
@@ -183,8 +185,6 @@ NOT_YET: dict[str, Any] = {
     'kt_weight_path': None,
     'length_column_name': 'length',
     'liger_kernel_config': None,
-    'master_addr': None,
-    'master_port': None,
     'megatron_bridge_args': None,
     'optim_target_modules': None,
     'parallelism_config': None,
