@@ -157,8 +157,6 @@ NOT_YET: dict[str, Any] = {
     'dataloader_drop_last': False,
     'label_names': None,
     'ignore_data_skip': False,
-    'label_smoothing_factor': 0.0,
-    'optim_args': None,
     'group_by_length': False,
     'push_to_hub': False,
     'hub_model_id': None,
