@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
-from tuneforge.config.optimizers import check_optimizer
+from tuneforge.config.optimizers import OPTIMIZERS, check_optimizer
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.rl import check_rl
 from tuneforge.config.schedules import check_scheduler
@@ -283,6 +283,11 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
     if m.quantization_bit == 8:
         fail("fsdp with quantization_bit 8: bitsandbytes' 8-bit weights cannot be gathered into a checkpoint; "
              "use quantization_bit: 4", key=("fsdp", "quantization_bit"))
+    spec = OPTIMIZERS.get(t.optim)
+    if spec is not None and not spec.sharded:
+        fail(f"optim {t.optim} cannot step FSDP2's sharded weights (its kernels take whole tensors); use adamw_torch, "
+             f"adamw_torch_8bit / adamw_torch_4bit (torchao) for low-memory states, or DeepSpeed ZeRO "
+             f"(deepspeed: ...) instead of fsdp", key=("optim", "fsdp"))
     if me.pissa_init:
         fail("fsdp with pissa_init is not supported (the PiSSA conversion needs the whole adapter in one "
              "process); drop pissa_init or fsdp", key=("fsdp", "pissa_init"))

@@ -50,7 +50,7 @@ from tuneforge.config.schedules import SCHEDULES
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
 from tuneforge.train import checkpoint
-from tuneforge.train.objectives import Objective, lm_objective
+from tuneforge.train.objectives import OBJECTIVES, Objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
 from tuneforge.train.strategy import Strategy, build_strategy
 
@@ -248,7 +248,7 @@ class Trainer:
         train_dataset: Any,
         eval_dataset: Any = None,
         collator: Collator | None = None,
-        objective: Objective = lm_objective,
+        objective: Objective | None = None,
         *,
         strategy: Strategy | None = None,
         callbacks: Sequence[_callbacks.Callback] = (),
@@ -258,6 +258,8 @@ class Trainer:
                 "Trainer needs a collator (rows -> dict of tensors), e.g. tuneforge.data's Collator"
             )
         t = cfg.train
+        if objective is None:  # the lm objective, with the config's label_smoothing_factor
+            objective = OBJECTIVES["lm"](cfg)
         self.cfg, self.model, self.tokenizer, self.objective = cfg, model, tokenizer, objective
         self.train_dataset, self.eval_dataset, self.collator = train_dataset, eval_dataset, collator
         # rollouts and other work before the forward, under no_grad: per micro-batch or for the whole step
