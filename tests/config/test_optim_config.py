@@ -71,6 +71,12 @@ def test_bad_optim_args_are_refused_when_the_config_loads(tmp_path, kw, message)
     assert raised.value.keys[0] == "optim_args"
 
 
+def test_greedy_cannot_drive_torchaos_tensor_learning_rate(tmp_path):
+    with pytest.raises(ConfigError, match="greedy cannot drive optim adamw_torch_4bit") as raised:
+        cfg(tmp_path, optim="adamw_torch_4bit", lr_scheduler_type="greedy", eval_strategy="steps", val_size=0.1)
+    assert raised.value.keys == ("lr_scheduler_type", "optim")
+
+
 def test_optim_args_in_transformers_format_load(tmp_path):
     assert cfg(tmp_path, optim="sgd", optim_args="momentum=0.9, nesterov=True").train.optim_args
     assert cfg(tmp_path, optim="ademamix_8bit", optim_args="beta3=0.999,alpha=8,t_alpha=100")

@@ -147,3 +147,7 @@ def check_optimizer(cfg: RunConfig, fail: Callable[..., None]) -> None:
         fail(f"optim_args: {e}", key=("optim_args", "optim"))
     if options.get("block_size", 1) < 1:
         fail("optim_args block_size must be >= 1", key="optim_args")
+    if spec.needs == TORCHAO and t.lr_scheduler_type == "greedy":  # torchao keeps lr as a tensor; GreedyLR sets floats
+        fail(f"lr_scheduler_type greedy cannot drive optim {t.optim} (torchao's optimizers keep the learning rate as "
+             f"a tensor, which greedy replaces by a number); use reduce_lr_on_plateau, or optim adamw_8bit",
+             key=("lr_scheduler_type", "optim"))

@@ -153,10 +153,10 @@ class TrainArgs:
                                              "cosine_with_min_lr, {num_cycles: 2} for cosine_with_restarts")
     warmup_ratio: float = opt(0.0, help="share of steps spent warming up")
     warmup_steps: int = opt(0, help="warm-up steps (overrides warmup_ratio when > 0)")
-    weight_decay: float = opt(0.0, help="AdamW weight decay (never on norms and biases)")
-    adam_beta1: float = opt(0.9, help="AdamW beta1")
-    adam_beta2: float = opt(0.999, help="AdamW beta2")
-    adam_epsilon: float = opt(1e-8, help="AdamW epsilon")
+    weight_decay: float = opt(0.0, help="weight decay, of every optimizer (never on norms and biases)")
+    adam_beta1: float = opt(0.9, help="beta1 of the Adam family (Lion's and AdEMAMix's too)")
+    adam_beta2: float = opt(0.999, help="beta2 of the Adam family (Lion's and AdEMAMix's too)")
+    adam_epsilon: float = opt(1e-8, help="epsilon of the Adam family (AdEMAMix's too)")
     max_grad_norm: float = opt(1.0, help="gradient clipping norm; 0 disables")
     optim: str = opt("adamw_torch", choices=OPTIMIZER_CHOICES, refused=REFUSED_OPTIMIZERS,
                      help="optimizer (transformers' names: torch, bitsandbytes 8-bit / paged / Lion, Adafactor, "

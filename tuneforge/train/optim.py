@@ -114,9 +114,9 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     if cfg.train.optim.startswith("paged_") and device.type != "cuda":
         logger.warning("optim %s: paging needs CUDA; on %s bitsandbytes runs it unpaged (the same updates)",
                        cfg.train.optim, device.type)
-    with warnings.catch_warnings():  # bitsandbytes' own warning of the above, once per tensor
+        # bitsandbytes says the same at the first step, from each of its state initializers
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
-        return cls(groups, **kwargs)
+    return cls(groups, **kwargs)
 
 
 def total_training_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
