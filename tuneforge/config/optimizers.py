@@ -32,7 +32,7 @@ class OptimizerSpec:
     options: the optim_args keys it reads -> their type. needs: (module, how to install it) for a package beyond torch
     and transformers. sharded: it steps FSDP2's sharded weights (DTensors); measured on 2 CPU processes: torch's and
     torchao's optimizers do, bitsandbytes' kernels and Adafactor's factored moments do not (DeepSpeed ZeRO hands the
-    optimizer plain flat partitions: every one works there)."""
+    optimizer plain flat partitions: bitsandbytes', Adafactor and torchao's ran there)."""
 
     name: str
     cls: str
