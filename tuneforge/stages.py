@@ -38,8 +38,8 @@ class Stage:
     value_head: the model gets a scalar value head (and saves it). critic: that head is a critic of the policy
     (ppo: trained on returns, saved as critic_head.safetensors, so the output stays a policy). samples: the
     objective samples completions during training (an RL stage: its rows are prompts, rewards score what it
-    samples). pref_loss: the pref_loss key applies. own_keys: config keys that only this stage reads (another
-    stage refuses them away from their defaults). rl_defaults: defaults of the rl keys the schema leaves unset
+    samples). pref_loss: the pref_loss key applies. own_keys: config keys that only this stage (and any other
+    row listing them) reads; another stage refuses them away from their defaults. rl_defaults: defaults of the rl keys the schema leaves unset
     (null): a value, or the name of the key whose value it takes.
     perplexity: the objective's loss is a mean token negative log-likelihood, so evaluation reports
     exp(loss) and `tuneforge eval` can measure it. writes_text: the trained model answers in text (so `--ask`
@@ -229,8 +229,9 @@ LOSSES = "tuneforge.train.objectives.losses"
 
 for _stage in (
     Stage("pt", "pretrain", ("plain",), "plain", "lm", "next-token cross-entropy on documents",
-          packs_by_default=True, perplexity=True),
-    Stage("sft", "supervised", ("plain",), "plain", "lm", "cross-entropy on the assistant turns", perplexity=True),
+          packs_by_default=True, perplexity=True, own_keys=("label_smoothing_factor",)),
+    Stage("sft", "supervised", ("plain",), "plain", "lm", "cross-entropy on the assistant turns", perplexity=True,
+          own_keys=("label_smoothing_factor",)),
     Stage("rm", "pairwise", ("pairwise",), "pairwise", "reward", "a reward model (a scorer): value head, -log sigma(r_chosen - r_rejected)",
           can_pack=False, value_head=True, writes_text=False),
     Stage("ppo", "prompt", ("plain",), "prompt", "ppo", "sample a completion per prompt, score it with the rewards, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from train_helpers import as_batch, collate, load_model, random_dataset
 
 from tuneforge.batch import Layout
@@ -135,3 +136,54 @@ def test_batch_without_targets_gives_zero_loss_that_backpropagates(tiny_model_di
     out = lm_objective(model, batch)
     out.loss_sum.backward()
     assert float(out.loss_sum) == 0.0
+
+
+# ---- label_smoothing_factor: transformers' smoothed cross-entropy on the shifted labels ----
+
+
+@pytest.mark.parametrize("head,chunk", [("auto", None), ("fused", 2), ("forward", 4)])
+def test_label_smoothing_is_torchs_and_transformers_smoothed_cross_entropy(tiny_model_dir, batch, head, chunk):
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model = load_model(tiny_model_dir)
+    objective = LMObjective(head=head, chunk_tokens=chunk, label_smoothing=0.1)
+    assert not objective.reports_perplexity  # a smoothed loss is no mean negative log-likelihood
+    with torch.no_grad():
+        ours = float(objective(model, batch).loss_sum)
+        outputs = model(**batch.model_inputs)
+        labels = batch.targets["labels"]  # -100 on the prompts and the padding
+        logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1])
+        by_hand = F.cross_entropy(logits, labels[:, 1:].reshape(-1), label_smoothing=0.1, reduction="sum")
+        transformers_mean = LabelSmoother(epsilon=0.1)(outputs, labels, shift_labels=True)
+        plain = float(lm_objective(model, batch).loss_sum)
+    assert ours == pytest.approx(float(by_hand), rel=1e-5)
+    assert ours / objective.count(batch) == pytest.approx(float(transformers_mean), rel=1e-5)
+    assert ours > plain  # smoothing spreads mass onto wrong tokens of a random model: a larger loss
+
+
+def test_label_smoothing_in_a_packed_row_equals_the_separate_rows(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    smoothed = LMObjective(label_smoothing=0.2)
+    a, b = [11, 12, 13, 14], [21, 22, 23]
+    packed = as_batch({
+        "input_ids": torch.tensor([a + b]),
+        "labels": torch.tensor([a + b]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
+    }, Layout(packed=True))
+    with torch.no_grad():
+        separate = sum(
+            float(smoothed(model, as_batch({"input_ids": torch.tensor([row]), "labels": torch.tensor([row]),
+                                            "attention_mask": torch.ones(1, len(row), dtype=torch.long)})).loss_sum)
+            for row in (a, b)
+        )
+        assert float(smoothed(model, packed).loss_sum) == pytest.approx(separate, rel=1e-5)
+
+
+def test_the_lm_objective_takes_label_smoothing_from_the_config(tmp_path, tiny_model_dir):
+    from train_helpers import make_cfg
+
+    from tuneforge.train.objectives import build_objective
+
+    assert build_objective(make_cfg(tmp_path, tiny_model_dir)) is lm_objective
+    objective = build_objective(make_cfg(tmp_path, tiny_model_dir, label_smoothing_factor=0.1))
+    assert isinstance(objective, LMObjective) and objective.label_smoothing == 0.1

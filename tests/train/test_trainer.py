@@ -41,16 +41,25 @@ def one_sgd_step(tmp_path, model_dir, name, **keys):
     return grads, trainer.state.log_history[0]["loss"]
 
 
-def test_accumulated_micro_batches_equal_one_full_batch(tmp_path, tiny_model_dir):
-    full, full_loss = one_sgd_step(tmp_path, tiny_model_dir, "full", per_device_train_batch_size=4)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "label-smoothing"])
+def test_accumulated_micro_batches_equal_one_full_batch(tmp_path, tiny_model_dir, smoothing):
+    keys = {"label_smoothing_factor": smoothing}
+    full, full_loss = one_sgd_step(tmp_path, tiny_model_dir, "full", per_device_train_batch_size=4, **keys)
     accumulated, acc_loss = one_sgd_step(
-        tmp_path, tiny_model_dir, "acc", per_device_train_batch_size=1, gradient_accumulation_steps=4
+        tmp_path, tiny_model_dir, "acc", per_device_train_batch_size=1, gradient_accumulation_steps=4, **keys
     )
-    # reference: the model's own mean over every supervised token of the padded batch of 4
+    # reference: the model's own mean over every supervised token of the padded batch of 4 (transformers' label
+    # smoother on the shifted labels, as its Trainer applies label_smoothing_factor)
+    from transformers.trainer_pt_utils import LabelSmoother
+
     model = load_model(tiny_model_dir)
     data = random_dataset(LENGTHS, seed=5)
     whole = collate([data[i] for i in range(4)])
-    reference = model(**whole.model_inputs, labels=whole.targets["labels"]).loss
+    if smoothing:
+        reference = LabelSmoother(epsilon=smoothing)(model(**whole.model_inputs), whole.targets["labels"],
+                                                     shift_labels=True)
+    else:
+        reference = model(**whole.model_inputs, labels=whole.targets["labels"]).loss
     reference.backward()
     assert acc_loss == pytest.approx(full_loss, abs=1e-5)
     assert full_loss == pytest.approx(float(reference.detach()), abs=1e-5)

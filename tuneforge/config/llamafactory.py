@@ -145,8 +145,6 @@ NOT_YET: dict[str, Any] = {
     'dataloader_drop_last': False,
     'label_names': None,
     'ignore_data_skip': False,
-    'label_smoothing_factor': 0.0,
-    'optim_args': None,
     'group_by_length': False,
     'torch_compile': False,
     'neftune_noise_alpha': None,

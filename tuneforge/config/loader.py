@@ -195,6 +195,9 @@ def build(raw: dict[str, Any], source: str = "<overrides>") -> RunConfig:
                 raise ConfigError(f"{source}: {e}", key=key) from None
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
+                why = f.metadata.get("refused", {}).get(value)
+                if why is not None:
+                    raise ConfigError(f"{source}: {key} {value} {why}", key=key)
                 shown = ", ".join("null" if c is None else str(c) for c in choices)
                 raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {shown}", key=key)
             values[group][key] = value

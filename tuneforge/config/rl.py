@@ -72,7 +72,9 @@ def _check_stage_keys(cfg: RunConfig, fail: Callable[..., None]) -> None:
     for other in STAGES.values():
         for key in other.own_keys:
             if key not in mine and values[key] != defaults[key]:
-                fail(f"{key} applies to stage {other.name}, not {cfg.method.stage}; drop it", key=key)
+                owners = [s.name for s in STAGES.values() if key in s.own_keys]
+                fail(f"{key} applies to stage{'s' if len(owners) > 1 else ''} {words(owners)}, not "
+                     f"{cfg.method.stage}; drop it", key=key)
 
 
 def _check_ppo(r: RLArgs, fail: Callable[..., None]) -> None:

@@ -10,22 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tuneforge.config.optimizers import OPTIMIZER_CHOICES
+from tuneforge.config.optimizers import REFUSED as REFUSED_OPTIMIZERS
+from tuneforge.config.schedules import SCHEDULER_CHOICES
 from tuneforge.stages import PREF_LOSS_CHOICES, STAGE_CHOICES
 
 
-def opt(default: Any = None, *, choices: tuple | None = None, help: str = "") -> Any:
-    """A field with a default, optional choices, and a line of help for the README / errors."""
-    meta = {"help": help}
+def opt(default: Any = None, *, choices: tuple | None = None, refused: dict | None = None, help: str = "") -> Any:
+    """A field with a default, optional choices, and a line of help for the README / errors. refused: values that
+    are known but not built -> why (the loader says so instead of "not one of")."""
+    meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = choices
+    if refused is not None:
+        meta["refused"] = refused
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
 
 
 FINETUNING_TYPES = ("full", "freeze", "lora", "oft")
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 FLASH_ATTN = ("auto", "disabled", "sdpa", "fa2", "eager")
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 INFER_BACKENDS = ("huggingface", "vllm")
@@ -154,16 +158,24 @@ class TrainArgs:
     learning_rate: float = opt(5e-5, help="peak learning rate")
     num_train_epochs: float = opt(3.0, help="epochs (ignored when max_steps > 0)")
     max_steps: int = opt(-1, help="optimizer steps; overrides num_train_epochs when > 0")
-    lr_scheduler_type: str = opt("linear", choices=SCHEDULERS, help="learning-rate schedule")
-    lr_scheduler_kwargs: dict = opt({}, help="e.g. {min_lr_rate: 0.1} for cosine_with_min_lr")
+    lr_scheduler_type: str = opt("linear", choices=SCHEDULER_CHOICES, help="learning-rate schedule (transformers' "
+                                 "schedules; reduce_lr_on_plateau and greedy step on evaluations)")
+    lr_scheduler_kwargs: dict = opt({}, help="the schedule's own arguments, e.g. {min_lr_rate: 0.1} for "
+                                             "cosine_with_min_lr, {num_cycles: 2} for cosine_with_restarts")
     warmup_ratio: float = opt(0.0, help="share of steps spent warming up")
     warmup_steps: int = opt(0, help="warm-up steps (overrides warmup_ratio when > 0)")
-    weight_decay: float = opt(0.0, help="AdamW weight decay (never on norms and biases)")
-    adam_beta1: float = opt(0.9, help="AdamW beta1")
-    adam_beta2: float = opt(0.999, help="AdamW beta2")
-    adam_epsilon: float = opt(1e-8, help="AdamW epsilon")
+    weight_decay: float = opt(0.0, help="weight decay, of every optimizer (never on norms and biases)")
+    adam_beta1: float = opt(0.9, help="beta1 of the Adam family (Lion's and AdEMAMix's too)")
+    adam_beta2: float = opt(0.999, help="beta2 of the Adam family (Lion's and AdEMAMix's too)")
+    adam_epsilon: float = opt(1e-8, help="epsilon of the Adam family (AdEMAMix's too)")
     max_grad_norm: float = opt(1.0, help="gradient clipping norm; 0 disables")
-    optim: str = opt("adamw_torch", choices=OPTIMIZERS, help="optimizer")
+    optim: str = opt("adamw_torch", choices=OPTIMIZER_CHOICES, refused=REFUSED_OPTIMIZERS,
+                     help="optimizer (transformers' names: torch, bitsandbytes 8-bit / paged / Lion, Adafactor, "
+                          "torchao 4/8-bit)")
+    optim_args: str | None = opt(help="the optimizer's own arguments as \"key=value,key2=value2\" (transformers' "
+                                      "format), e.g. \"momentum=0.9,nesterov=true\" for sgd")
+    label_smoothing_factor: float = opt(0.0, help="pt / sft: the share of each token's target spread evenly over the "
+                                                  "vocabulary (smoothed cross-entropy)")
     bf16: bool = opt(False, help="bfloat16 mixed precision")
     fp16: bool = opt(False, help="float16 mixed precision")
     seed: int = opt(42, help="random seed")

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
+from tuneforge.config.optimizers import OPTIMIZERS, check_optimizer
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.rl import check_rl
+from tuneforge.config.schedules import check_scheduler
 from tuneforge.config.schema import RunConfig
 from tuneforge.config.tracking import check_tracking
 from tuneforge.errors import ConfigError
@@ -164,38 +166,15 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
             fail("early_stopping_steps watches the evaluation (metric_for_best_model, default eval_loss): set "
                  "eval_strategy: steps and val_size or eval_dataset", key=("early_stopping_steps", "eval_strategy"))
     check_tracking(cfg, fail, for_training)  # report_to's trackers, the hub keys' values
-    _check_scheduler(cfg, fail)
+    if not 0.0 <= t.label_smoothing_factor < 1.0:
+        fail(f"label_smoothing_factor must be in [0, 1) (got {t.label_smoothing_factor})", key="label_smoothing_factor")
+    check_scheduler(cfg, fail)
+    check_optimizer(cfg, fail)
 
     _check_ray(cfg, fail)
 
     if for_training and t.do_train:
         _check_output_dir(cfg, fail)
-
-
-# the keyword arguments each lr_scheduler_type's function in transformers takes (lr_scheduler_kwargs)
-SCHEDULER_KWARGS = {
-    "linear": (),
-    "cosine": ("num_cycles",),
-    "constant": (),
-    "constant_with_warmup": (),
-    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
-}
-
-
-def _check_scheduler(cfg: RunConfig, fail) -> None:
-    """lr_scheduler_kwargs against what transformers' schedule function of lr_scheduler_type takes."""
-    kind, kwargs = cfg.train.lr_scheduler_type, cfg.train.lr_scheduler_kwargs
-    unknown = sorted(set(kwargs) - set(SCHEDULER_KWARGS[kind]))
-    if unknown:
-        takes = ", ".join(SCHEDULER_KWARGS[kind]) or "none"
-        fail(f"lr_scheduler_kwargs {unknown} do not apply to {kind} (it takes: {takes})", key="lr_scheduler_kwargs")
-    if kind == "cosine_with_min_lr":
-        given = {"min_lr", "min_lr_rate"} & set(kwargs)
-        if not given:
-            fail("lr_scheduler_type cosine_with_min_lr needs lr_scheduler_kwargs with min_lr_rate (a share of "
-                 "learning_rate, e.g. {min_lr_rate: 0.1}) or min_lr", key=("lr_scheduler_type", "lr_scheduler_kwargs"))
-        if len(given) == 2:
-            fail("lr_scheduler_kwargs: set only one of min_lr and min_lr_rate", key="lr_scheduler_kwargs")
 
 
 def uses_reference(cfg: RunConfig) -> bool:
@@ -300,6 +279,11 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
     if m.quantization_bit == 8:
         fail("fsdp with quantization_bit 8: bitsandbytes' 8-bit weights cannot be gathered into a checkpoint; "
              "use quantization_bit: 4", key=("fsdp", "quantization_bit"))
+    spec = OPTIMIZERS.get(t.optim)
+    if spec is not None and not spec.sharded:
+        fail(f"optim {t.optim} cannot step FSDP2's sharded weights (its kernels take whole tensors); use adamw_torch, "
+             f"adamw_torch_8bit / adamw_torch_4bit (torchao) for low-memory states, or DeepSpeed ZeRO "
+             f"(deepspeed: ...) instead of fsdp", key=("optim", "fsdp"))
     if me.pissa_init:
         fail("fsdp with pissa_init is not supported (the PiSSA conversion needs the whole adapter in one "
              "process); drop pissa_init or fsdp", key=("fsdp", "pissa_init"))

@@ -46,10 +46,11 @@ from transformers import set_seed
 
 from tuneforge.batch import Batch, sample_seed
 from tuneforge.config import RunConfig
+from tuneforge.config.schedules import SCHEDULES
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
 from tuneforge.train import checkpoint, reporters
-from tuneforge.train.objectives import Objective, lm_objective
+from tuneforge.train.objectives import OBJECTIVES, Objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
 from tuneforge.train.strategy import Strategy, build_strategy
 
@@ -256,7 +257,7 @@ class Trainer:
         train_dataset: Any,
         eval_dataset: Any = None,
         collator: Collator | None = None,
-        objective: Objective = lm_objective,
+        objective: Objective | None = None,
         *,
         strategy: Strategy | None = None,
         callbacks: Sequence[_callbacks.Callback] = (),
@@ -268,6 +269,8 @@ class Trainer:
                 "Trainer needs a collator (rows -> dict of tensors), e.g. tuneforge.data's Collator"
             )
         t = cfg.train
+        if objective is None:  # the lm objective, with the config's label_smoothing_factor
+            objective = OBJECTIVES["lm"](cfg)
         self.cfg, self.model, self.tokenizer, self.objective = cfg, model, tokenizer, objective
         self.train_dataset, self.eval_dataset, self.collator = train_dataset, eval_dataset, collator
         self.eval_parts = dict(eval_parts or {})
@@ -304,6 +307,8 @@ class Trainer:
                 torch.backends.cpu.get_cpu_capability(),
             )
         self.strategy = strategy if strategy is not None else build_strategy(cfg, model)
+        # reduce_lr_on_plateau / greedy: stepped with metric_for_best_model after each evaluation in training
+        self.schedule_on_metric = SCHEDULES[t.lr_scheduler_type].on_metric
 
         def make_optimizer() -> torch.optim.Optimizer:  # called by the strategy once the parameters are final
             self.optimizer = build_optimizer(model, cfg)
@@ -355,7 +360,7 @@ class Trainer:
                 every_n = t.eval_strategy == "steps" and step % self.eval_every == 0
                 self.improved = False
                 if every_n or (t.eval_strategy == "epoch" and epoch_ended):
-                    stop_reason = self._evaluate_and_track()
+                    stop_reason = self._evaluate_and_track(during_training=True)
                 pending_save = (pending_save or (t.save_strategy == "steps" and step % t.save_steps == 0)
                                 or (t.save_strategy == "epoch" and epoch_ended)
                                 or (t.save_strategy == "best" and self.improved))
@@ -437,7 +442,8 @@ class Trainer:
                 f"{', or use bf16 instead of fp16' if t.fp16 else ''}, and check the data of this step"
             )
         grad_norm = self.strategy.step(step)  # clip, step, zero the gradients
-        self.scheduler.step()
+        if not self.schedule_on_metric:  # those step on evaluations (_evaluate_and_track)
+            self.scheduler.step()
         self.session.steps, self.session.tokens = self.session.steps + 1, self.session.tokens + int(tokens)
         self.session.samples += samples
         return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, reduced["metrics"],
@@ -545,8 +551,11 @@ class Trainer:
         metrics.update({f"eval_{k}": v for k, v in means.items()})
         return metrics
 
-    def _evaluate_and_track(self) -> str | None:
-        """Evaluate, log, and update early stopping; return why training should stop, if it should."""
+    def _evaluate_and_track(self, during_training: bool = False) -> str | None:
+        """Evaluate, log, and update early stopping; return why training should stop, if it should.
+
+        during_training: an evaluation between optimizer steps (not before the first, nor after the last), which
+        steps a schedule that follows the metric (reduce_lr_on_plateau, greedy), as transformers' Trainer does."""
         s, patience = self.state, self.cfg.train.early_stopping_steps
         metrics = self.evaluate()
         s.last_eval_step = s.global_step
@@ -558,6 +567,8 @@ class Trainer:
         )
         name, greater = best_metric(self.cfg.train, metrics)
         self.best_name, value = name, metrics[name]
+        if during_training and self.schedule_on_metric:
+            self.scheduler.step(value)
         self.improved = s.best_metric is None or (value > s.best_metric if greater else value < s.best_metric)
         if self.improved:
             s.best_metric, s.best_step, s.evals_without_improvement = value, s.global_step, 0

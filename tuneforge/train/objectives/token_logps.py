@@ -104,21 +104,24 @@ def can_fuse_head(model: torch.nn.Module) -> bool:
         return False
 
 
-def _logits_token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return -F.cross_entropy(logits.float(), targets, reduction="none")
+def _logits_token_logps(logits: torch.Tensor, targets: torch.Tensor, smoothing: float) -> torch.Tensor:
+    return -F.cross_entropy(logits.float(), targets, reduction="none", label_smoothing=smoothing)
 
 
-def _head_token_logps(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return -F.cross_entropy(head(hidden).float(), targets, reduction="none")
+def _head_token_logps(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, smoothing: float
+                      ) -> torch.Tensor:
+    return -F.cross_entropy(head(hidden).float(), targets, reduction="none", label_smoothing=smoothing)
 
 
 def chunked_token_logps(
-    head: torch.nn.Module | None, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    head: torch.nn.Module | None, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """log p(target) of each of n rows, (n,) fp32; rows are hidden states (head given) or logits (head None).
 
     Each chunk is projected (when head is given), log-softmaxed in fp32 and gathered under checkpointing:
-    only its (n,) result is kept for backward, never the (chunk, vocab) logits.
+    only its (n,) result is kept for backward, never the (chunk, vocab) logits. label_smoothing: minus the
+    smoothed cross-entropy instead, (1 - e) log p(target) + e x the mean log p over the vocabulary.
     """
     if rows.shape[0] == 0:  # keep the graph so a batch without targets still back-propagates
         projected = head(rows) if head is not None else rows
@@ -128,9 +131,9 @@ def chunked_token_logps(
     for start in range(0, rows.shape[0], chunk_tokens):
         chunk, chunk_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if head is not None:
-            args = (_head_token_logps, head, chunk, chunk_targets)
+            args = (_head_token_logps, head, chunk, chunk_targets, label_smoothing)
         else:
-            args = (_logits_token_logps, chunk, chunk_targets)
+            args = (_logits_token_logps, chunk, chunk_targets, label_smoothing)
         pieces.append(checkpoint(*args, use_reentrant=False) if recompute else args[0](*args[1:]))
     return torch.cat(pieces)
 
@@ -153,6 +156,16 @@ def token_logps(
     return _token_logps(model, batch, head, chunk_tokens, with_values=False)[0]
 
 
+def token_losses(
+    model: torch.nn.Module, batch: Batch, head: str = "auto", chunk_tokens: int | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """(n,) fp32 cross-entropy of the batch's supervised targets (-token_logps); with label_smoothing e, the smoothed
+    cross-entropy (1 - e) x -log p(target) + e x the mean of -log p over the vocabulary, transformers'
+    label_smoothing_factor (torch's cross_entropy(label_smoothing=e))."""
+    return -_token_logps(model, batch, head, chunk_tokens, with_values=False, smoothing=label_smoothing)[0]
+
+
 def token_logps_and_values(
     model: torch.nn.Module, batch: Batch, head: str = "auto", chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +176,8 @@ def token_logps_and_values(
     return logps, values
 
 
-def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: int | None, *, with_values: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: int | None, *, with_values: bool,
+                 smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     value_head = getattr(model, "v_head", None)
     if isinstance(value_head, torch.nn.Module):  # a ValueHeadModel: the log-probs are its language model's
         model = model.model
@@ -175,7 +188,7 @@ def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: 
         projection = model.get_output_embeddings()
         hidden = trunk(model)(**batch.model_inputs, use_cache=False).last_hidden_state[keep]
         vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
-        logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab))
+        logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab), smoothing)
         return logps, _values(value_head, hidden) if with_values else None
     heads_input: list[torch.Tensor] = []  # what the vocabulary projection reads: the kept last hidden states
     hook = (model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: heads_input.append(args[0]))
@@ -197,7 +210,7 @@ def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: 
         hidden = hidden[keep] if hidden is not None else None
     elif hidden is not None and hidden.dim() == 3:
         hidden = hidden[0]
-    logps = chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]))
+    logps = chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]), smoothing)
     return logps, _values(value_head, hidden) if with_values else None
 
 
