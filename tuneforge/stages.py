@@ -229,9 +229,9 @@ LOSSES = "tuneforge.train.objectives.losses"
 
 for _stage in (
     Stage("pt", "pretrain", ("plain",), "plain", "lm", "next-token cross-entropy on documents",
-          packs_by_default=True, perplexity=True, own_keys=("label_smoothing_factor",)),
+          packs_by_default=True, perplexity=True, own_keys=("label_smoothing_factor", "compute_accuracy")),
     Stage("sft", "supervised", ("plain",), "plain", "lm", "cross-entropy on the assistant turns", perplexity=True,
-          own_keys=("label_smoothing_factor",)),
+          own_keys=("label_smoothing_factor", "compute_accuracy")),
     Stage("rm", "pairwise", ("pairwise",), "pairwise", "reward", "a reward model (a scorer): value head, -log sigma(r_chosen - r_rejected)",
           can_pack=False, value_head=True, writes_text=False),
     Stage("ppo", "prompt", ("plain",), "prompt", "ppo", "sample a completion per prompt, score it with the rewards, "

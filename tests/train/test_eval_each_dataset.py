@@ -51,3 +51,13 @@ def test_each_eval_dataset_is_packed_apart_and_its_rows_named(tmp_path, tiny_mod
     parts = splits.stats["eval_parts"]
     assert list(parts) == ["pt_demo", "identity"] and parts["identity"][1] == len(splits.eval)
     assert parts["pt_demo"] == [0, parts["identity"][0]] and parts["identity"][0] > 0
+
+
+def test_compute_accuracy_in_training_and_in_tuneforge_eval(tmp_path, tiny_model_dir, home):
+    cfg = config(tmp_path, tiny_model_dir, compute_accuracy=True, metric_for_best_model="accuracy")
+    trained = run(cfg)
+    for key in ("eval_accuracy", "eval_alpaca_demo_accuracy", "eval_identity_accuracy"):
+        assert 0.0 <= trained[key] <= 1.0
+    measured = evaluate(use_trained_output(replace(cfg, train=replace(cfg.train, do_train=False))))
+    for key in ("eval_accuracy", "eval_alpaca_demo_accuracy", "eval_identity_accuracy"):
+        assert measured[key] == pytest.approx(trained[key], abs=1e-6)

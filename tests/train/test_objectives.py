@@ -187,3 +187,24 @@ def test_the_lm_objective_takes_label_smoothing_from_the_config(tmp_path, tiny_m
     assert build_objective(make_cfg(tmp_path, tiny_model_dir)) is lm_objective
     objective = build_objective(make_cfg(tmp_path, tiny_model_dir, label_smoothing_factor=0.1))
     assert isinstance(objective, LMObjective) and objective.label_smoothing == 0.1
+
+
+@pytest.mark.parametrize("head", ["fused", "forward"])
+def test_compute_accuracy_is_each_samples_share_of_right_guesses_averaged_over_samples(tiny_model_dir, head):
+    model = load_model(tiny_model_dir)
+    a, b = [11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24]
+    with torch.no_grad():
+        guess_a, guess_b = (model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist() for ids in (a, b))
+    # labels: the model's own guess where it should be right, another token where not (the prompt unsupervised)
+    labels_a = [-100, -100, guess_a[1], guess_a[2] + 1, guess_a[3], guess_a[4], guess_a[5] + 1]  # 3 of 5 right
+    labels_b = [-100, guess_b[0], guess_b[1] + 1, guess_b[2] + 1]  # 1 of 3 right
+    packed = as_batch({"input_ids": torch.tensor([a + b]), "labels": torch.tensor([labels_a + labels_b]),
+                       "position_ids": torch.tensor([list(range(len(a))) + list(range(len(b)))])},
+                      Layout(packed=True))
+    padded = as_batch({"input_ids": torch.tensor([a, b + [0] * 3]), "labels": torch.tensor([labels_a, labels_b + [-100] * 3]),
+                       "attention_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3])})
+    for batch in (packed, padded):
+        with torch.no_grad():
+            out = LMObjective(head=head, accuracy=True)(model, batch)
+        assert out.counts["accuracy"] == 2 and out.metrics["accuracy"] == pytest.approx(3 / 5 + 1 / 3, rel=1e-6)
+    assert not LMObjective(accuracy=True)(model, packed).metrics  # with gradients (training): no accuracy

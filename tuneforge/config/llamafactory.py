@@ -134,7 +134,6 @@ NOT_YET: dict[str, Any] = {
     'badam_mask_mode': 'adjacent',
     'badam_verbose': 0,
     'pure_bf16': False,
-    'compute_accuracy': False,
     'ld_alpha': None,
     'ray_storage_filesystem': None,
     'eval_accumulation_steps': None,

@@ -213,6 +213,8 @@ class TrainArgs:
         None, help="DeepSpeed ZeRO: the path of a DeepSpeed JSON config (\"auto\" values are filled) or a mapping"
     )
     do_predict: bool = opt(False, help="generate answers for the eval set (with predict_with_generate)")
+    compute_accuracy: bool = opt(False, help="pt / sft evaluations also report accuracy: the share of each sample's "
+                                              "answer tokens that are the model's most likely token, over samples")
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
 
 

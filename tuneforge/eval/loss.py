@@ -26,20 +26,25 @@ RESULTS_FILE = "eval_results.json"
 
 
 @torch.no_grad()
-def token_loss(model: torch.nn.Module, rows: Any, collator: Any, batch_size: int) -> tuple[float, int]:
-    """(summed loss, supervised tokens) of token rows under the lm objective, batch_size rows at a time."""
-    from tuneforge.train.objectives import lm_objective
+def token_loss(model: torch.nn.Module, rows: Any, collator: Any, batch_size: int, accuracy: bool = False
+               ) -> tuple[float, int, float, int]:
+    """(summed loss, supervised tokens, summed per-sample accuracy, samples) of token rows under the lm objective,
+    batch_size rows at a time (the accuracy figures are 0 unless accuracy: compute_accuracy)."""
+    from tuneforge.train.objectives import LMObjective
 
+    objective = LMObjective(accuracy=accuracy)
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in rows["input_ids"]]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # similar lengths share a batch
-    loss_sum, units = 0.0, 0
+    loss_sum, units, right, samples = 0.0, 0, 0.0, 0
     for start in range(0, len(order), batch_size):
         batch = collator([rows[i] for i in order[start : start + batch_size]])
-        units += lm_objective.count(batch)
-        batch = batch.to(device)
-        loss_sum += float(lm_objective(model, batch).loss_sum)
-    return loss_sum, units
+        units += objective.count(batch)
+        out = objective(model, batch.to(device))
+        loss_sum += float(out.loss_sum)
+        right += float(out.metrics.get("accuracy", 0.0))
+        samples += int(out.counts.get("accuracy", 0))
+    return loss_sum, units, right, samples
 
 
 def _perplexity(loss: float) -> float:
@@ -76,10 +81,11 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     # eval_on_each_dataset: each eval dataset's rows apart (training's eval_<name>_ figures), then all together
     parts = splits.stats.get("eval_parts") if splits.eval is not None else None
-    sums = {name: token_loss(model, rows.select(range(start, stop)), collator, cfg.train.per_device_eval_batch_size)
+    sums = {name: token_loss(model, rows.select(range(start, stop)), collator, cfg.train.per_device_eval_batch_size,
+                             cfg.train.compute_accuracy)
             for name, (start, stop) in (parts or {"": (0, len(rows))}).items()}
     runtime = time.perf_counter() - started
-    loss_sum, units = sum(s for s, _ in sums.values()), sum(u for _, u in sums.values())
+    loss_sum, units, right, samples = (sum(column) for column in zip(*sums.values(), strict=True))
     if units == 0:
         raise DataError(f"{cfg.source}: the evaluation rows have no supervised tokens (every label is -100)")
     loss = loss_sum / units
@@ -91,17 +97,22 @@ def evaluate_loss(cfg: Any, out_dir: Path) -> dict[str, Any]:
         "eval_runtime": round(runtime, 3),
         "eval_samples_per_second": round(len(rows) / runtime, 3) if runtime > 0 else 0.0,
     }
-    for name, (part_sum, part_units) in sums.items() if parts else ():
+    if samples:
+        results["eval_accuracy"] = right / samples
+    for name, (part_sum, part_units, part_right, part_samples) in sums.items() if parts else ():
         if part_units:
             results.update({f"eval_{name}_loss": part_sum / part_units,
                             f"eval_{name}_perplexity": _perplexity(part_sum / part_units)})
+        if part_samples:
+            results[f"eval_{name}_accuracy"] = part_right / part_samples
         results[f"eval_{name}_tokens"] = part_units
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS_FILE
     path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     summary = [
         f"eval_loss {loss:.4f}, perplexity {results['perplexity']:.4f} over {units} supervised tokens "
-        f"({len(rows)} rows of {which}, stage {cfg.method.stage})",
+        f"({len(rows)} rows of {which}, stage {cfg.method.stage})"
+        + (f", accuracy {results['eval_accuracy']:.4f}" if "eval_accuracy" in results else ""),
         f"results in {path}",
     ]
     return {**results, "files": [str(path)], "summary": summary}

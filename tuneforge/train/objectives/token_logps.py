@@ -115,14 +115,25 @@ def _head_token_logps(head: torch.nn.Module, hidden: torch.Tensor, targets: torc
 
 def chunked_token_logps(
     head: torch.nn.Module | None, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0.0, hits: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log p(target) of each of n rows, (n,) fp32; rows are hidden states (head given) or logits (head None).
 
     Each chunk is projected (when head is given), log-softmaxed in fp32 and gathered under checkpointing:
     only its (n,) result is kept for backward, never the (chunk, vocab) logits. label_smoothing: minus the
-    smoothed cross-entropy instead, (1 - e) log p(target) + e x the mean log p over the vocabulary.
+    smoothed cross-entropy instead, (1 - e) log p(target) + e x the mean log p over the vocabulary. hits (without
+    gradients only, e.g. evaluation): a list that receives, per chunk, whether each target is the most likely token.
     """
+    if hits is not None:
+        if torch.is_grad_enabled():
+            raise ValueError("hits are read in evaluation, without gradients")
+        pieces = []
+        for start in range(0, rows.shape[0], chunk_tokens):
+            chunk, chunk_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+            logits = (head(chunk) if head is not None else chunk).float()
+            pieces.append(-F.cross_entropy(logits, chunk_targets, reduction="none", label_smoothing=label_smoothing))
+            hits.append(logits.argmax(dim=-1) == chunk_targets)
+        return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
     if rows.shape[0] == 0:  # keep the graph so a batch without targets still back-propagates
         projected = head(rows) if head is not None else rows
         return projected.float().sum(dim=-1) * 0.0
@@ -158,12 +169,13 @@ def token_logps(
 
 def token_losses(
     model: torch.nn.Module, batch: Batch, head: str = "auto", chunk_tokens: int | None = None,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0.0, hits: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(n,) fp32 cross-entropy of the batch's supervised targets (-token_logps); with label_smoothing e, the smoothed
     cross-entropy (1 - e) x -log p(target) + e x the mean of -log p over the vocabulary, transformers'
-    label_smoothing_factor (torch's cross_entropy(label_smoothing=e))."""
-    return -_token_logps(model, batch, head, chunk_tokens, with_values=False, smoothing=label_smoothing)[0]
+    label_smoothing_factor (torch's cross_entropy(label_smoothing=e)). hits: see chunked_token_logps."""
+    return -_token_logps(model, batch, head, chunk_tokens, with_values=False, smoothing=label_smoothing,
+                         hits=hits)[0]
 
 
 def token_logps_and_values(
@@ -177,7 +189,8 @@ def token_logps_and_values(
 
 
 def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: int | None, *, with_values: bool,
-                 smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 smoothing: float = 0.0, hits: list[torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     value_head = getattr(model, "v_head", None)
     if isinstance(value_head, torch.nn.Module):  # a ValueHeadModel: the log-probs are its language model's
         model = model.model
@@ -188,7 +201,7 @@ def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: 
         projection = model.get_output_embeddings()
         hidden = trunk(model)(**batch.model_inputs, use_cache=False).last_hidden_state[keep]
         vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
-        logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab), smoothing)
+        logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab), smoothing, hits)
         return logps, _values(value_head, hidden) if with_values else None
     heads_input: list[torch.Tensor] = []  # what the vocabulary projection reads: the kept last hidden states
     hook = (model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: heads_input.append(args[0]))
@@ -210,7 +223,7 @@ def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: 
         hidden = hidden[keep] if hidden is not None else None
     elif hidden is not None and hidden.dim() == 3:
         hidden = hidden[0]
-    logps = chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]), smoothing)
+    logps = chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]), smoothing, hits)
     return logps, _values(value_head, hidden) if with_values else None
 
 
