@@ -1,5 +1,5 @@
 """The hub keys: transformers' / LlamaFactory's names (older ones too) and the repository names, checked when the
-file loads (the hub itself is checked when a run starts: tests/test_hub.py)."""
+file loads (the hub itself is checked when a run starts: tests/test_hub_upload.py)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ def test_every_llamafactory_name_resolves(tokenizer, bare, name):
     if name in template.GENERIC_TEMPLATES:
         assert own.source == template.TEMPLATES[name]  # a format, not a family: always ours
     else:
-        assert own == template.ChatTemplate("tokenizer", None)  # the model's own template, token-exact
+        assert (own.name, own.source) == ("tokenizer", None)  # the model's own template, token-exact
+        assert own.thinking is (False if name.endswith("_nothink") else None)  # *_nothink: its non-thinking mode
     if name in chat_formats.MODEL_ONLY:
         with pytest.raises(DataError, match=f"template '{name}' needs the model's own chat template"):
             template.resolve_template(name, bare)

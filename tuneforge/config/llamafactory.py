@@ -101,7 +101,6 @@ NOT_YET: dict[str, Any] = {
     'streaming': False,
     'buffer_size': 16384,
     'eval_num_beams': None,
-    'tool_format': None,
     'oft_block_share': False,
     'module_dropout': 0.0,
     'use_llama_pro': False,

@@ -69,7 +69,7 @@ class _Plan:
         self._check_media(spec)
         self.chat = template.resolve_template(
             cfg.model.template, processor or tokenizer, enable_thinking=d.enable_thinking,
-            preserve_thinking=d.preserve_thinking,
+            preserve_thinking=d.preserve_thinking, tool_format=d.tool_format,
         ) if self.encoder.chat else None
         if processor is not None and self.chat is not None and self.chat.source is not None:
             raise DataError(f"template {cfg.model.template!r} is a text template; a vision- or audio-language model "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuneforge.data import chat_formats
+from tuneforge.data import chat_formats, tool_formats
 from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.errors import DataError
 
@@ -68,6 +68,7 @@ class ChatTemplate:
     name: str  # "tokenizer" for the tokenizer's own, else one of TEMPLATES
     source: str | None  # Jinja text of ours; None = the tokenizer's own
     options: tuple[tuple[str, Any], ...] = ()  # variables the template reads (enable_thinking, preserve_thinking)
+    tool_format: str | None = None  # tools and calls written into the text (data/tool_formats.py), else the template's
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -88,20 +89,25 @@ class ChatTemplate:
         """The Jinja text and its options, for the cache key."""
         own = self.source if self.source is not None else tokenizer.chat_template
         own = own if isinstance(own, str) else json.dumps(own, sort_keys=True)
-        return own + (json.dumps(self.kwargs, sort_keys=True) if self.options else "")
+        return own + (json.dumps(self.kwargs, sort_keys=True) if self.options else "") + (self.tool_format or "")
 
 
 def resolve_template(name: str | None, tokenizer: Any, *, enable_thinking: bool | None = None,
-                     preserve_thinking: bool = False) -> ChatTemplate:
+                     preserve_thinking: bool = False, tool_format: str | None = None) -> ChatTemplate:
     """The chat template for `template: name` (None: the tokenizer's own), with the thinking options it is
-    rendered with (enable_thinking None: the template's default; preserve_thinking false is every template's)."""
+    rendered with (enable_thinking None: the template's default; preserve_thinking false is every template's) and
+    the tool format (used with a template of ours, or a model's own that does not render tools)."""
     named = _resolve_name(name, tokenizer)
+    if tool_format and named.source is None and "tools" in named.text(tokenizer):
+        logger.info("tool_format %s: the model's chat template renders tools itself, so its own way is used",
+                    tool_format)
+        tool_format = None
     if enable_thinking is None and named.source is None and (name or "").endswith("_nothink"):
         enable_thinking = False  # LlamaFactory's *_nothink names on the model's own template: its non-thinking mode
     options = {"enable_thinking": enable_thinking} if enable_thinking is not None else {}
     if preserve_thinking:
         options["preserve_thinking"] = True
-    return ChatTemplate(named.name, named.source, tuple(options.items()))
+    return ChatTemplate(named.name, named.source, tuple(options.items()), tool_format)
 
 
 def _resolve_name(name: str | None, tokenizer: Any) -> ChatTemplate:
@@ -143,6 +149,8 @@ def parse_tools(tools: str | None) -> list[dict[str, Any]] | None:
 def _render(
     tokenizer: Any, template: ChatTemplate, messages: list[dict], tools: list | None, gen: bool
 ) -> str:
+    if template.tool_format:
+        messages, tools = tool_formats.apply(template.tool_format, messages, tools), None
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=template.source, tokenize=False, add_generation_prompt=gen,

@@ -46,7 +46,7 @@ def chat_template(cfg: RunConfig, tokenizer: Any) -> ChatTemplate:
     if thinking is None and cfg.model.adapter_name_or_path:
         thinking = recorded_thinking(saved_chat_template(cfg.model.adapter_name_or_path[-1]))
     return resolve_template(cfg.model.template, tokenizer, enable_thinking=thinking,
-                            preserve_thinking=cfg.data.preserve_thinking)
+                            preserve_thinking=cfg.data.preserve_thinking, tool_format=cfg.data.tool_format)
 
 
 def end_of_turn(tokenizer: Any, template: ChatTemplate, processor: Any = None) -> Stops:

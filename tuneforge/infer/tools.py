@@ -8,6 +8,7 @@ The syntax is read from the chat template's Jinja text:
 | mistral | `[TOOL_CALLS]` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}` |
 | llama3  | `<|python_tag|>` or `"parameters"` (Llama 3.1+) | `{"name": ..., "parameters": {...}}` |
 | json    | none of these (the default) | the whole answer is `{"name": ..., "arguments": {...}}` or a list of them |
+| action  | (tool_format: default) | `Action: name` then `Action Input: {...}`, per call |
 
 `json` is the function-call turn of LlamaFactory's tool datasets (glaive_toolcall's `function_call`
 messages), so a model fine-tuned on such data by tuneforge writes it whatever its template is; every
@@ -25,9 +26,10 @@ from typing import Any
 
 from tuneforge.infer.decode import held_back
 
-SYNTAXES = ("hermes", "mistral", "llama3", "json")
+SYNTAXES = ("hermes", "mistral", "llama3", "json", "action")
 PYTHON_TAG = "<|python_tag|>"
-_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "action": "Action:"}
+_ACTION = re.compile(r"Action:\s*([^\s]+)\s*\nAction Input:\s*(.+?)(?=\s*\nAction:|\s*\Z)", re.S)
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 _MISTRAL_ARGS = re.compile(r"\s*([^\s\[\]{}]+)\s*(?:\[CALL_ID\]\s*\S+?\s*)?\[ARGS\]\s*(.*)", re.S)
 
@@ -105,6 +107,14 @@ def _mistral(text: str) -> tuple[int, list[ToolCall] | None]:
     return start, (calls if calls and all(c is not None for c in calls) else None)
 
 
+def _action(text: str) -> tuple[int, list[ToolCall] | None]:
+    found = list(_ACTION.finditer(text))
+    if not found:
+        return 0, None
+    calls = [_call({"name": m.group(1), "arguments": _loads(m.group(2).strip())}) for m in found]
+    return found[0].start(), (calls if all(c is not None for c in calls) else None)
+
+
 @dataclass(frozen=True)
 class ToolSyntax:
     name: str  # one of SYNTAXES
@@ -112,7 +122,7 @@ class ToolSyntax:
 
     def parse(self, text: str, tool_names: set[str] | frozenset[str]) -> tuple[str, list[ToolCall]]:
         """(the answer's text before the calls, the calls with fresh ids); no calls -> (text, [])."""
-        start, calls = {"hermes": _hermes, "mistral": _mistral}.get(self.name, _whole_json)(text)
+        start, calls = {"hermes": _hermes, "mistral": _mistral, "action": _action}.get(self.name, _whole_json)(text)
         if not calls:
             start, calls = _whole_json(text)
         if not calls or any(c.name not in tool_names for c in calls):
@@ -140,6 +150,9 @@ class ToolSyntax:
             return "\n".join(f"<tool_call>\n{json.dumps(o, ensure_ascii=False)}\n</tool_call>" for o in objs)
         if self.name == "mistral":
             return "[TOOL_CALLS]" + json.dumps(objs, ensure_ascii=False)
+        if self.name == "action":
+            return "\n".join(f"Action: {o['name']}\nAction Input: {json.dumps(o['arguments'], ensure_ascii=False)}"
+                             for o in objs)
         return json.dumps(objs[0] if len(objs) == 1 else objs, ensure_ascii=False)
 
 

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from tuneforge import __version__
+from tuneforge.data import tool_formats
 from tuneforge.errors import TuneforgeError
 from tuneforge.infer.api import protocol
 from tuneforge.infer.api.messages import template_messages, template_tools
@@ -83,7 +84,8 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     """The app serving engine (its model under the name engine.name)."""
     app = FastAPI(title="tuneforge", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine = engine
-    syntax = tool_syntax(engine.template.text(engine.tokenizer))
+    fmt = engine.template.tool_format  # calls as tool_format writes them, else as the chat template does
+    syntax = tool_formats.syntax(fmt) if fmt else tool_syntax(engine.template.text(engine.tokenizer))
     created = protocol.now()
     _install_error_handlers(app)
     if api_key:
