@@ -113,3 +113,14 @@ def test_the_yaml_runs_as_written():
     text = form.to_yaml({"output_dir": "saves/x", "model_name_or_path": "smollm2", "dataset": ["identity"]})
     assert text.splitlines()[0] == "model_name_or_path: smollm2"  # the schema's order
     assert yaml.safe_load(text) == {"model_name_or_path": "smollm2", "dataset": ["identity"], "output_dir": "saves/x"}
+
+
+def test_load_reads_a_llamafactory_v1_file_as_its_flat_keys(tmp_path):
+    path = tmp_path / "v1.yaml"
+    path.write_text("model: smollm2-135m-instruct\npeft_config:\n  name: lora\n  r: 16\n"
+                    "train_dataset: data/v1_sft_demo.yaml\nmicro_batch_size: 2\n")
+    raw = form.read_config(str(path))
+    values, errors = form.to_form(raw)
+    assert not errors
+    assert values["model_name_or_path"] == "smollm2-135m-instruct" and str(values["lora_rank"]) == "16"
+    assert str(values["per_device_train_batch_size"]) == "2" and values["finetuning_type"] == "lora"

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from tuneforge.config import from_dict
-from tuneforge.config.loader import coerce, current_names, foreign_key
+from tuneforge.config import from_dict, llamafactory_v1
+from tuneforge.config.loader import coerce, current_names, foreign_key, read_file
 from tuneforge.config.schema import RunConfig, key_index, key_types
 from tuneforge.errors import ConfigError, TuneforgeError
 
@@ -84,6 +84,12 @@ def value_text(value: Any) -> str:
     if isinstance(value, dict):
         return json.dumps(value)
     return str(value)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The flat keys of a config file: ours, LlamaFactory's or LlamaBoard's, a LlamaFactory v1 file's flattened."""
+    raw = read_file(path)
+    return llamafactory_v1.flatten(raw, path) if llamafactory_v1.is_v1(raw) else raw
 
 
 def to_form(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

@@ -8,7 +8,6 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from tuneforge.config.loader import read_file
 from tuneforge.config.schema import GROUPS
 from tuneforge.errors import TuneforgeError
 from tuneforge.webui import form
@@ -124,7 +123,7 @@ def build(launcher: Launcher, start_values: dict[str, Any]) -> None:
 
     def on_load(path: str) -> list[Any]:
         try:
-            raw = read_file(path.strip())
+            raw = form.read_config(path.strip())
         except TuneforgeError as e:
             return [gr.update() for _ in keys] + [f"**cannot load:** {e}"]
         values, errors = form.to_form(raw)
