@@ -120,3 +120,13 @@ def test_a_malformed_launch_variable_stops_before_any_process_starts(tmp_path, t
         capture_output=True, text=True, cwd=ROOT, env=env,
     )
     assert r.returncode == 2 and "NPROC_PER_NODE='two' must be a whole number" in r.stderr
+
+
+def test_two_processes_stream_their_shares_of_the_data(tmp_path, tiny_model_dir):
+    """Unshuffled, rank r streams rows r, r + 2, ...: each global micro-batch holds the rows one process reads."""
+    keys = ("streaming=true", "disable_shuffling=true")
+    one = tmp_path / "one"
+    train("examples/sft_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4", *keys)
+    two = tmp_path / "two"
+    train("examples/sft_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2", *keys, processes=2)
+    assert_same_run(one, two, ("loss", "grad_norm"))

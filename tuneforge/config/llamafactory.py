@@ -98,8 +98,6 @@ NOT_YET: dict[str, Any] = {
     'sglang_tp_size': -1,
     'sglang_config': None,
     'sglang_lora_backend': 'triton',
-    'streaming': False,
-    'buffer_size': 16384,
     'eval_num_beams': None,
     'oft_block_share': False,
     'module_dropout': 0.0,

@@ -135,6 +135,9 @@ class DataArgs:
     overwrite_cache: bool = opt(False, help="re-tokenize even if a cached copy exists")
     preprocessing_num_workers: int | None = opt(help="processes for tokenization")
     preprocessing_batch_size: int = opt(1000, help="rows per tokenization batch")
+    streaming: bool = opt(False, help="read, shuffle, tokenize and pack the training data while training (local "
+                                      "files; needs max_steps), for corpora that do not fit on disk or in memory")
+    buffer_size: int = opt(16384, help="streaming: rows in the shuffle buffer")
     skip_bad_rows: bool = opt(False, help="skip (and count) malformed rows instead of stopping")
     default_system: str | None = opt(help="system prompt for rows that have none")
     enable_thinking: bool | None = opt(help="reasoning models: true trains / answers with thinking, false without "

@@ -172,9 +172,33 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     check_optimizer(cfg, fail)
 
     _check_ray(cfg, fail)
+    if d.streaming and for_training and t.do_train:
+        _check_streaming(cfg, fail)
 
     if for_training and t.do_train:
         _check_output_dir(cfg, fail)
+
+
+def _check_streaming(cfg: RunConfig, fail) -> None:
+    """What a streamed run needs: a length (max_steps) and nothing that reads the whole training set first."""
+    d, t = cfg.data, cfg.train
+    if t.max_steps <= 0:
+        fail("streaming has no length to count epochs in: set max_steps (the optimizer steps to train)",
+             key=("streaming", "max_steps"))
+    if d.buffer_size < 1:
+        fail(f"buffer_size must be >= 1 (got {d.buffer_size})", key="buffer_size")
+    if d.val_size > 0:
+        fail("streaming cannot hold out val_size rows of a stream; name the evaluation data in eval_dataset",
+             key=("streaming", "val_size"))
+    if d.tokenized_path:
+        fail("streaming tokenizes while training, so there is nothing to save in tokenized_path; drop one of them",
+             key=("streaming", "tokenized_path"))
+    if stage_of(cfg.method.stage).samples:
+        fail(f"stage {cfg.method.stage} samples answers to prompts, which are few; set streaming: false",
+             key=("streaming", "stage"))
+    if cfg.method.precompute_ref_log_probs:
+        fail("precompute_ref_log_probs computes the reference over the whole training set first; it cannot with "
+             "streaming", key=("streaming", "precompute_ref_log_probs"))
 
 
 def uses_reference(cfg: RunConfig) -> bool:

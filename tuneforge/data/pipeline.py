@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneforge.config.rl import resolved_rl
-from tuneforge.data import cache, encode, formats, media, multimodal, packing, registry, template
+from tuneforge.data import cache, encode, formats, media, multimodal, packing, registry, streaming, template
 from tuneforge.data.encoders import get_encoder
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
@@ -126,6 +126,7 @@ class _Plan:
             "seed": t.seed,
             "default_system": d.default_system,
             "eval_on_each_dataset": d.eval_on_each_dataset,
+            "streaming": d.streaming,  # the training rows are then built while training, not here
             "skip_bad_rows": d.skip_bad_rows,
             "completion_room": self.settings.completion_room,
         }
@@ -135,6 +136,11 @@ class _Plan:
         if self.encoder.batch_dependent:  # e.g. kto's KL pairs, drawn within each batch of each worker's shard
             material["kl_batches"] = [d.preprocessing_batch_size, self.workers]
         return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def check_columns(self, attr: DatasetAttr, column_names: list[str]) -> None:
+        """Stop before encoding when a column the stage needs is missing from the dataset."""
+        formats.check_columns(attr, column_names, self.stage, documents=self.encoder.documents,
+                              needs_response=self.encoder.needs_response, prompts=self.encoder.samples_completions)
 
     def fingerprint(self, *parts: str) -> str:
         """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer)."""
@@ -247,8 +253,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
 
 
 def _check_columns(plan: _Plan, attr: DatasetAttr, column_names: list[str]) -> None:
-    formats.check_columns(attr, column_names, plan.stage, documents=plan.encoder.documents,
-                          needs_response=plan.encoder.needs_response, prompts=plan.encoder.samples_completions)
+    plan.check_columns(attr, column_names)
 
 
 def _mix(plan: _Plan, parts: list[Any]) -> Any:
@@ -329,8 +334,10 @@ def _token_counts(ds: Any, prefixes: tuple[str, ...]) -> dict[str, int]:
 def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     d = plan.cfg.data
     stats: dict[str, Any] = {"datasets": {}, "stage": plan.stage, "packing": plan.packing}
+    streaming = plan.cfg.data.streaming  # the training rows are built while training (data/streaming.py)
     train = (
-        _mix(plan, [_encode_dataset(plan, a, stats) for a in plan.train_attrs]) if plan.train_attrs else None
+        _mix(plan, [_encode_dataset(plan, a, stats) for a in plan.train_attrs])
+        if plan.train_attrs and not streaming else None
     )
     evaluation = eval_rows = None
     if plan.eval_attrs:
@@ -376,6 +383,18 @@ def _load(path: Path, *, cache_hit: bool) -> DataSplits:
     return DataSplits(train=train, eval=evaluation, stats=stats)
 
 
+def _streamed_rows(plan: _Plan) -> streaming.StreamedRows:
+    """The training rows of a streamed run: as many as max_steps consumes over all processes."""
+    t = plan.cfg.train
+    if plan.processor is not None:
+        raise DataError("streaming reads text datasets; a vision- or audio-language model's data is built ahead: set "
+                        "streaming: false")
+    rows = t.max_steps * t.gradient_accumulation_steps * t.per_device_train_batch_size * streaming.process_place()[1]
+    logger.info("streaming: %d training rows over %d steps, tokenized while training (buffer_size %d)", rows,
+                t.max_steps, plan.cfg.data.buffer_size)
+    return streaming.StreamedRows(plan, rows)
+
+
 def build(cfg: Any, tokenizer: Any, processor: Any = None, *, media_packing: str | None = None) -> DataSplits:
     """Tokenized train / eval splits for cfg (a RunConfig), from the cache when nothing changed.
 
@@ -408,6 +427,10 @@ def build(cfg: Any, tokenizer: Any, processor: Any = None, *, media_packing: str
         cache.save_splits(built, stats, entry, replace=d.overwrite_cache or bool(changed),
                           media_files=sorted(plan.media_files))
         splits = _load(entry, cache_hit=False)
+    if d.streaming:  # the training figures are unknown until the stream is read
+        splits.train, splits.stats["streaming"] = _streamed_rows(plan), True
+        for key in ("train_samples", "samples", "tokens", "supervised_tokens", "packed_rows"):
+            splits.stats.pop(key, None)
     if saved is not None:
         found = {k: v for k, v in (("train", splits.train), ("eval", splits.eval)) if v is not None}
         kept_stats = {k: v for k, v in splits.stats.items() if k not in ("cache_hit", "cache_dir")}

@@ -470,8 +470,10 @@ class Trainer:
         its place in its rollout: `buffer` groups prepared together, stepped on `iterations` times in order."""
         t = self.cfg.train
         size, epoch = t.per_device_train_batch_size, self.state.epoch
+        # streamed rows come shuffled by their buffer, in the order they are read
+        shuffle = not (t.disable_shuffling or getattr(self.train_dataset, "streamed", False))
         batches = epoch_micro_batches(len(self.train_dataset), size, t.seed if t.data_seed is None else t.data_seed,
-                                      epoch, self.rank, self.world_size, shuffle=not t.disable_shuffling)
+                                      epoch, self.rank, self.world_size, shuffle=shuffle)
         remaining = batches[self.state.batches_in_epoch :]
         ga = t.gradient_accumulation_steps
         for start in range(0, len(remaining), ga * self.buffer):
