@@ -42,6 +42,10 @@ def bare(tokenizer):
      '<tools>\n{"type": "function", "function": {"name": "get_weather"'),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', '"parameters": dictionary of argument'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "[AVAILABLE_TOOLS]["),
+    ("qwen3_5", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+     '<tools>\n{"name": "get_weather"'),
+    ("ling", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "</tool_call>\ndetailed thinking off"),
 ])
 def test_a_tool_conversation_is_written_in_the_format(bare, fmt, call_text, described):
     chat = template.resolve_template("chatml", bare, tool_format=fmt)

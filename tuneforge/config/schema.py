@@ -144,7 +144,7 @@ class DataArgs:
                                             "(answers' reasoning dropped, the template's empty thought in the prompt); "
                                             "unset: the template's default (LlamaFactory's true) or, for chat / api / "
                                             "eval / export, what the adapter was trained with; saved with the model")
-    tool_format: str | None = opt(None, choices=(None, "default", "qwen", "llama3", "mistral"),
+    tool_format: str | None = opt(None, choices=(None, "default", "qwen", "qwen3_5", "llama3", "mistral", "ling"),
                                   help="write tools and tool calls into the text in this format (LlamaFactory's), for "
                                        "templates that do not render tools themselves")
     preserve_thinking: bool = opt(False, help="reasoning models: passed to chat templates that can keep earlier "

@@ -10,6 +10,8 @@ Each format says how the tools are described (appended to the system message) an
 | qwen | Qwen's `<tools>` block (its chat template's words) | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` |
 | llama3 | the JSON-call instruction of Llama 3.1's template, each tool as JSON | `{"name": ..., "parameters": {...}}` |
 | mistral | `[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` |
+| qwen3_5 | Qwen3.5's `<tools>` block and calling rules (its template's words) | `<tool_call><function=name><parameter=key>...` |
+| ling | Qwen's block, then `detailed thinking off` (Ling's) | as qwen |
 
 A call turn of the data (LlamaFactory's `function_call` message: a JSON call object or a list of them) is
 rewritten in the format's syntax; other messages are left as they are.
@@ -23,10 +25,11 @@ from typing import Any
 from tuneforge.infer.tools import ToolSyntax, _whole_json
 
 # format -> the call syntax of tuneforge.infer.tools
-SYNTAX_OF = {"default": "action", "qwen": "hermes", "llama3": "llama3", "mistral": "mistral"}
+SYNTAX_OF = {"default": "action", "qwen": "hermes", "llama3": "llama3", "mistral": "mistral", "qwen3_5": "xml",
+             "ling": "hermes"}
 TOOL_FORMATS = tuple(SYNTAX_OF)
 # LlamaFactory's other tool formats, each tied to one model family's own template: that template renders its tools
-LATER = ("glm4", "glm4_moe", "gemma4", "lfm2", "minimax1", "minimax2", "qwen3_5", "seed_oss", "ling")
+LATER = ("glm4", "glm4_moe", "gemma4", "lfm2", "minimax1", "minimax2", "seed_oss")
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +61,20 @@ def _qwen_tools(tools: list[dict[str, Any]]) -> str:
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def _qwen3_5_tools(tools: list[dict[str, Any]]) -> str:
+    listed = "".join("\n" + json.dumps(_function(t), ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou have access to the following functions:\n\n<tools>" + listed + "\n</tools>\n\nIf you "
+            "choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n"
+            "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+            "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple "
+            "lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow "
+            "the specified format: an inner <function=...></function> block must be nested within "
+            "<tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional "
+            "reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there "
+            "is no function call available, answer the question like normal with your current knowledge and do not "
+            "tell the user about function calls\n</IMPORTANT>")
+
+
 def _llama3_tools(tools: list[dict[str, Any]]) -> str:
     listed = "\n\n".join(json.dumps({"type": "function", "function": _function(t)}, indent=4, ensure_ascii=False)
                          for t in tools)
@@ -71,7 +88,8 @@ def _mistral_tools(tools: list[dict[str, Any]]) -> str:
     return f"[AVAILABLE_TOOLS]{json.dumps(listed, ensure_ascii=False)}[/AVAILABLE_TOOLS]"
 
 
-_TOOLS_TEXT = {"default": _default_tools, "qwen": _qwen_tools, "llama3": _llama3_tools, "mistral": _mistral_tools}
+_TOOLS_TEXT = {"default": _default_tools, "qwen": _qwen_tools, "llama3": _llama3_tools, "mistral": _mistral_tools,
+               "qwen3_5": _qwen3_5_tools, "ling": lambda tools: _qwen_tools(tools) + "\ndetailed thinking off"}
 
 
 def syntax(fmt: str) -> ToolSyntax:

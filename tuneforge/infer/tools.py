@@ -9,6 +9,7 @@ The syntax is read from the chat template's Jinja text:
 | llama3  | `<|python_tag|>` or `"parameters"` (Llama 3.1+) | `{"name": ..., "parameters": {...}}` |
 | json    | none of these (the default) | the whole answer is `{"name": ..., "arguments": {...}}` or a list of them |
 | action  | (tool_format: default) | `Action: name` then `Action Input: {...}`, per call |
+| xml     | `<function=` (Qwen3.5, Qwen3-Coder) | `<tool_call><function=name><parameter=key>value</parameter>...</function></tool_call>` |
 
 `json` is the function-call turn of LlamaFactory's tool datasets (glaive_toolcall's `function_call`
 messages), so a model fine-tuned on such data by tuneforge writes it whatever its template is; every
@@ -26,9 +27,11 @@ from typing import Any
 
 from tuneforge.infer.decode import held_back
 
-SYNTAXES = ("hermes", "mistral", "llama3", "json", "action")
+SYNTAXES = ("hermes", "mistral", "llama3", "json", "action", "xml")
 PYTHON_TAG = "<|python_tag|>"
-_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "action": "Action:"}
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "action": "Action:", "xml": "<tool_call>"}
+_XML_CALL = re.compile(r"<tool_call>\s*<function=([^\s<>]+)>(.*?)</function>\s*</tool_call>", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^\s<>]+)>\n?(.*?)\n?</parameter>", re.S)
 _ACTION = re.compile(r"Action:\s*([^\s]+)\s*\nAction Input:\s*(.+?)(?=\s*\nAction:|\s*\Z)", re.S)
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 _MISTRAL_ARGS = re.compile(r"\s*([^\s\[\]{}]+)\s*(?:\[CALL_ID\]\s*\S+?\s*)?\[ARGS\]\s*(.*)", re.S)
@@ -115,6 +118,17 @@ def _action(text: str) -> tuple[int, list[ToolCall] | None]:
     return found[0].start(), (calls if all(c is not None for c in calls) else None)
 
 
+def _xml(text: str) -> tuple[int, list[ToolCall] | None]:
+    found = list(_XML_CALL.finditer(text))
+    if not found:
+        return 0, None
+    calls = []
+    for m in found:  # a value is JSON when it reads as JSON, else the text itself
+        args = {k: (v if (parsed := _loads(v)) is None and v != "null" else parsed) for k, v in _XML_PARAM.findall(m.group(2))}
+        calls.append(ToolCall(m.group(1), args))
+    return found[0].start(), calls
+
+
 @dataclass(frozen=True)
 class ToolSyntax:
     name: str  # one of SYNTAXES
@@ -122,7 +136,8 @@ class ToolSyntax:
 
     def parse(self, text: str, tool_names: set[str] | frozenset[str]) -> tuple[str, list[ToolCall]]:
         """(the answer's text before the calls, the calls with fresh ids); no calls -> (text, [])."""
-        start, calls = {"hermes": _hermes, "mistral": _mistral, "action": _action}.get(self.name, _whole_json)(text)
+        start, calls = {"hermes": _hermes, "mistral": _mistral, "action": _action, "xml": _xml}.get(
+            self.name, _whole_json)(text)
         if not calls:
             start, calls = _whole_json(text)
         if not calls or any(c.name not in tool_names for c in calls):
@@ -150,6 +165,12 @@ class ToolSyntax:
             return "\n".join(f"<tool_call>\n{json.dumps(o, ensure_ascii=False)}\n</tool_call>" for o in objs)
         if self.name == "mistral":
             return "[TOOL_CALLS]" + json.dumps(objs, ensure_ascii=False)
+        if self.name == "xml":
+            return "\n".join(
+                f"<tool_call>\n<function={c.name}>"
+                + "".join(f"\n<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>"
+                          for k, v in c.arguments.items())
+                + "\n</function>\n</tool_call>" for c in calls)
         if self.name == "action":
             return "\n".join(f"Action: {o['name']}\nAction Input: {json.dumps(o['arguments'], ensure_ascii=False)}"
                              for o in objs)
