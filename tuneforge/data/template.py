@@ -10,6 +10,11 @@ A supervised span is the assistant's content plus the template's end-of-turn mar
 `<|eot_id|>`, `</s>`): the model must learn to stop. Whitespace that the template writes after the
 marker (ChatML's newline) stays unsupervised: generation stops at the marker, so the model never
 produces that newline itself.
+
+Every render passes the ChatTemplate's options (enable_thinking, preserve_thinking) to the template, and with a
+tool_format writes tools and calls into the messages first (data/tool_formats.py): training, chat, api, eval and
+export all render the same way. A run that sets enable_thinking records it in the chat template saved with the
+model (with_thinking_recorded), which inference reads back for an adapter (recorded_thinking).
 """
 
 from __future__ import annotations
