@@ -78,8 +78,9 @@ def test_lora_model_takes_the_fused_path_and_matches(tiny_model_dir, batch):
     assert float(fused) == pytest.approx(float(forward), rel=1e-6)
 
 
-def test_packed_row_loss_equals_the_separate_rows(tiny_model_dir):
-    """A packed row (position ids restart at 0) never predicts the next sample's first token."""
+@pytest.mark.parametrize("objective", [lm_objective, LMObjective(label_smoothing=0.2)], ids=["plain", "smoothed"])
+def test_packed_row_loss_equals_the_separate_rows(tiny_model_dir, objective):
+    """A packed row (position ids restart at 0) never predicts the next sample's first token (label smoothing too)."""
     model = load_model(tiny_model_dir)
     a, b = [11, 12, 13, 14], [21, 22, 23]
     packed = as_batch({
@@ -87,22 +88,14 @@ def test_packed_row_loss_equals_the_separate_rows(tiny_model_dir):
         "labels": torch.tensor([a + b]),
         "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
     }, Layout(packed=True))
-    assert lm_objective.count(packed) == 3 + 2
-    separate = sum(
-        float(
-            lm_objective(
-                model,
-                as_batch({
-                    "input_ids": torch.tensor([row]),
-                    "labels": torch.tensor([row]),
-                    "attention_mask": torch.ones(1, len(row), dtype=torch.long),
-                }),
-            ).loss_sum
-        )
-        for row in (a, b)
-    )
+    assert objective.count(packed) == 3 + 2
     with torch.no_grad():
-        assert float(lm_objective(model, packed).loss_sum) == pytest.approx(separate, rel=1e-5)
+        separate = sum(
+            float(objective(model, as_batch({"input_ids": torch.tensor([row]), "labels": torch.tensor([row]),
+                                             "attention_mask": torch.ones(1, len(row), dtype=torch.long)})).loss_sum)
+            for row in (a, b)
+        )
+        assert float(objective(model, packed).loss_sum) == pytest.approx(separate, rel=1e-5)
 
 
 def test_soft_capped_head_uses_the_model_forward():
@@ -159,24 +152,6 @@ def test_label_smoothing_is_torchs_and_transformers_smoothed_cross_entropy(tiny_
     assert ours == pytest.approx(float(by_hand), rel=1e-5)
     assert ours / objective.count(batch) == pytest.approx(float(transformers_mean), rel=1e-5)
     assert ours > plain  # smoothing spreads mass onto wrong tokens of a random model: a larger loss
-
-
-def test_label_smoothing_in_a_packed_row_equals_the_separate_rows(tiny_model_dir):
-    model = load_model(tiny_model_dir)
-    smoothed = LMObjective(label_smoothing=0.2)
-    a, b = [11, 12, 13, 14], [21, 22, 23]
-    packed = as_batch({
-        "input_ids": torch.tensor([a + b]),
-        "labels": torch.tensor([a + b]),
-        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]),
-    }, Layout(packed=True))
-    with torch.no_grad():
-        separate = sum(
-            float(smoothed(model, as_batch({"input_ids": torch.tensor([row]), "labels": torch.tensor([row]),
-                                            "attention_mask": torch.ones(1, len(row), dtype=torch.long)})).loss_sum)
-            for row in (a, b)
-        )
-        assert float(smoothed(model, packed).loss_sum) == pytest.approx(separate, rel=1e-5)
 
 
 def test_the_lm_objective_takes_label_smoothing_from_the_config(tmp_path, tiny_model_dir):
