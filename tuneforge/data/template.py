@@ -154,8 +154,6 @@ def parse_tools(tools: str | None) -> list[dict[str, Any]] | None:
 def _render(
     tokenizer: Any, template: ChatTemplate, messages: list[dict], tools: list | None, gen: bool
 ) -> str:
-    if template.tool_format:
-        messages, tools = tool_formats.apply(template.tool_format, messages, tools), None
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=template.source, tokenize=False, add_generation_prompt=gen,
@@ -165,6 +163,13 @@ def _render(
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
 
 
+def _with_tool_format(template: ChatTemplate, messages: list[dict], tools: list | None) -> tuple[list[dict], list | None]:
+    """With a tool_format, the tools and call turns written into the messages (no tools left for the template)."""
+    if template.tool_format:
+        return tool_formats.apply(template.tool_format, messages, tools), None
+    return messages, tools
+
+
 def render_prompt(
     tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | str | None = None
 ) -> list[int]:
@@ -172,7 +177,8 @@ def render_prompt(
     as training tokenizes (chat, eval and the RL stages' prompts all start from this)."""
     if isinstance(tools, str):
         tools = parse_tools(tools)
-    text = _render(tokenizer, template, messages, tools or None, True)
+    messages, tools = _with_tool_format(template, messages, tools or None)
+    text = _render(tokenizer, template, messages, tools, True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -190,7 +196,8 @@ def render(
         from tuneforge.data.v1 import fold_reasoning
 
         messages = fold_reasoning(messages, "reasoning_content" in template.text(tokenizer))
-    tools = parse_tools(conv.tools)
+    # once for the whole conversation: each prefix below renders the same messages
+    messages, tools = _with_tool_format(template, messages, parse_tools(conv.tools))
     full = _render(tokenizer, template, messages, tools, False)
     spans: list[tuple[int, int]] = []
     cursor = 0
