@@ -171,7 +171,7 @@ def _sample_indices(n: int, target: int, seed: int) -> list[int]:
 def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> Any:
     d = plan.cfg.data
     raw = registry.load_raw(attr, d.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
-    _check_columns(plan, attr, raw.column_names)
+    plan.check_columns(attr, raw.column_names)
     row_numbers = None
     if attr.num_samples:
         row_numbers = _sample_indices(len(raw), attr.num_samples, plan.cfg.train.seed)
@@ -252,10 +252,6 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     return kept
 
 
-def _check_columns(plan: _Plan, attr: DatasetAttr, column_names: list[str]) -> None:
-    plan.check_columns(attr, column_names)
-
-
 def _mix(plan: _Plan, parts: list[Any]) -> Any:
     import datasets
 
@@ -334,10 +330,9 @@ def _token_counts(ds: Any, prefixes: tuple[str, ...]) -> dict[str, int]:
 def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     d = plan.cfg.data
     stats: dict[str, Any] = {"datasets": {}, "stage": plan.stage, "packing": plan.packing}
-    streaming = plan.cfg.data.streaming  # the training rows are built while training (data/streaming.py)
-    train = (
+    train = (  # streamed training rows are built while training (data/streaming.py)
         _mix(plan, [_encode_dataset(plan, a, stats) for a in plan.train_attrs])
-        if plan.train_attrs and not streaming else None
+        if plan.train_attrs and not d.streaming else None
     )
     evaluation = eval_rows = None
     if plan.eval_attrs:
@@ -474,7 +469,7 @@ def collapse_media_runs(text: str, processor: Any) -> str:
 
 def _preview_head(plan: _Plan, attr: DatasetAttr, count: int) -> tuple[dict[str, list], list[int]]:
     raw = registry.load_raw(attr, plan.cfg.data.dataset_dir, cache_dir=plan.cfg.model.cache_dir)
-    _check_columns(plan, attr, raw.column_names)
+    plan.check_columns(attr, raw.column_names)
     head = raw.select(range(min(len(raw), max(4 * count, 16))))[:]
     return head, list(range(len(head[raw.column_names[0]])))
 
