@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # when a stage compares the policy with a reference model
-# by_loss: as the pref_loss row says; by_kl: when the KL penalty's weight (beta) is above 0
+# by_loss: as the pref_loss row says; by_kl: when the KL penalty's weight (beta) is above 0; by_asft: with
+# use_asft_loss (its KL to the starting model)
 REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS, REFERENCE_BY_KL = "never", "always", "by_loss", "by_kl"
-REFERENCE_RULES = (REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS, REFERENCE_BY_KL)
+REFERENCE_BY_ASFT = "by_asft"
+REFERENCE_RULES = (REFERENCE_NEVER, REFERENCE_ALWAYS, REFERENCE_BY_LOSS, REFERENCE_BY_KL, REFERENCE_BY_ASFT)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,8 @@ class Stage:
     rows: what one token row holds, the batch layout's row kind (tuneforge.batch.ROW_KINDS). objective: the
     objective's name in the objective registry (tuneforge.train.objectives). packs_by_default / can_pack:
     whether rows are packed when `packing` is not set, and whether packing is allowed at all (a stage that
-    compares whole sequences cannot pack). reference: never, always, by_loss (the pref_loss row decides) or by_kl.
+    compares whole sequences cannot pack). reference: never, always, by_loss (the pref_loss row decides), by_kl or
+    by_asft.
     value_head: the model gets a scalar value head (and saves it). critic: that head is a critic of the policy
     (ppo: trained on returns, saved as critic_head.safetensors, so the output stays a policy). samples: the
     objective samples completions during training (an RL stage: its rows are prompts, rewards score what it
@@ -145,13 +148,16 @@ def words(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def uses_reference(stage: str, pref_loss: str, beta: float = 0.0) -> bool:
-    """Whether the stage (with this pref_loss, or this KL weight beta) compares the policy with a reference."""
+def uses_reference(stage: str, pref_loss: str, beta: float = 0.0, asft: bool = False) -> bool:
+    """Whether the stage (with this pref_loss, this KL weight beta, or use_asft_loss) compares the policy with a
+    reference."""
     rule = STAGES[stage].reference
     if rule == REFERENCE_BY_LOSS:
         return PREF_LOSSES[pref_loss].needs_reference
     if rule == REFERENCE_BY_KL:
         return beta > 0
+    if rule == REFERENCE_BY_ASFT:
+        return asft
     return rule == REFERENCE_ALWAYS
 
 
@@ -231,7 +237,9 @@ for _stage in (
     Stage("pt", "pretrain", ("plain",), "plain", "lm", "next-token cross-entropy on documents",
           packs_by_default=True, perplexity=True, own_keys=("label_smoothing_factor", "compute_accuracy")),
     Stage("sft", "supervised", ("plain",), "plain", "lm", "cross-entropy on the assistant turns", perplexity=True,
-          own_keys=("label_smoothing_factor", "compute_accuracy")),
+          reference=REFERENCE_BY_ASFT,
+          own_keys=("label_smoothing_factor", "compute_accuracy", "use_dft_loss", "use_eaft_loss", "eaft_alpha",
+                    "use_asft_loss", "asft_alpha")),
     Stage("rm", "pairwise", ("pairwise",), "pairwise", "reward", "a reward model (a scorer): value head, -log sigma(r_chosen - r_rejected)",
           can_pack=False, value_head=True, writes_text=False),
     Stage("ppo", "prompt", ("plain",), "prompt", "ppo", "sample a completion per prompt, score it with the rewards, "

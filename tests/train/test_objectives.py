@@ -10,6 +10,7 @@ from train_helpers import as_batch, collate, load_model, random_dataset
 from tuneforge.batch import Layout
 from tuneforge.train.objectives import Objective, ObjectiveOutput, lm_objective
 from tuneforge.train.objectives.lm import LMObjective, can_fuse_head
+from tuneforge.train.objectives.sft_losses import TokenLoss
 
 
 def manual_loss_sum(model, batch) -> tuple[float, int]:
@@ -78,9 +79,11 @@ def test_lora_model_takes_the_fused_path_and_matches(tiny_model_dir, batch):
     assert float(fused) == pytest.approx(float(forward), rel=1e-6)
 
 
-@pytest.mark.parametrize("objective", [lm_objective, LMObjective(label_smoothing=0.2)], ids=["plain", "smoothed"])
+@pytest.mark.parametrize("objective", [lm_objective, LMObjective(label_smoothing=0.2), LMObjective(loss=TokenLoss("dft")),
+                                       LMObjective(loss=TokenLoss("eaft", alpha=0.5))],
+                         ids=["plain", "smoothed", "dft", "eaft"])
 def test_packed_row_loss_equals_the_separate_rows(tiny_model_dir, objective):
-    """A packed row (position ids restart at 0) never predicts the next sample's first token (label smoothing too)."""
+    """A packed row (position ids restart at 0) never predicts the next sample's first token (every token loss)."""
     model = load_model(tiny_model_dir)
     a, b = [11, 12, 13, 14], [21, 22, 23]
     packed = as_batch({
@@ -159,9 +162,10 @@ def test_the_lm_objective_takes_label_smoothing_from_the_config(tmp_path, tiny_m
 
     from tuneforge.train.objectives import build_objective
 
-    assert build_objective(make_cfg(tmp_path, tiny_model_dir)) is lm_objective
+    plain = build_objective(make_cfg(tmp_path, tiny_model_dir))
+    assert isinstance(plain, LMObjective) and plain.loss == TokenLoss() and plain.reports_perplexity
     objective = build_objective(make_cfg(tmp_path, tiny_model_dir, label_smoothing_factor=0.1))
-    assert isinstance(objective, LMObjective) and objective.label_smoothing == 0.1
+    assert objective.loss == TokenLoss(label_smoothing=0.1) and not objective.reports_perplexity
 
 
 @pytest.mark.parametrize("head", ["fused", "forward"])

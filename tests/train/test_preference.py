@@ -269,7 +269,8 @@ def test_one_dpo_step_lowers_the_loss_and_raises_the_margin(tiny_model_dir):
 
 def test_build_objective_reads_the_keys():
     cfg = RunConfig()
-    assert build_objective(cfg) is lm_objective  # sft
+    sft = build_objective(cfg)
+    assert sft.name == "lm" and sft.loss == lm_objective.loss  # plain cross-entropy
     cfg.method.stage = "dpo"
     objective = build_objective(cfg)
     assert isinstance(objective, PreferenceObjective)

@@ -41,23 +41,48 @@ def one_sgd_step(tmp_path, model_dir, name, **keys):
     return grads, trainer.state.log_history[0]["loss"]
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "label-smoothing"])
-def test_accumulated_micro_batches_equal_one_full_batch(tmp_path, tiny_model_dir, smoothing):
-    keys = {"label_smoothing_factor": smoothing}
+def weighted_token_mean(model, batch, weight) -> torch.Tensor:
+    """The mean over the batch's supervised tokens of cross-entropy x weight(logits, targets) (a constant), by hand:
+    LlamaFactory's DFT / EAFT loss functions on the shifted labels."""
+    logits = model(**batch.model_inputs).logits[:, :-1].float()
+    labels = batch.targets["labels"][:, 1:]
+    keep = labels != -100
+    logits, targets = logits[keep], labels[keep]
+    ce = -torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+    return (ce * weight(logits.detach(), targets)).mean()
+
+
+def dft_weight(logits, targets):
+    return torch.softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+
+
+def eaft_weight(logits, targets, alpha=0.5):
+    top = torch.softmax(logits.topk(20, dim=-1).values, -1)
+    return (-(top * top.log()).sum(-1) / 3.0) ** alpha
+
+
+@pytest.mark.parametrize("keys", [{}, {"label_smoothing_factor": 0.1}, {"use_dft_loss": True},
+                                  {"use_eaft_loss": True, "eaft_alpha": 0.5}],
+                         ids=["plain", "label-smoothing", "dft", "eaft"])
+def test_accumulated_micro_batches_equal_one_full_batch(tmp_path, tiny_model_dir, keys):
     full, full_loss = one_sgd_step(tmp_path, tiny_model_dir, "full", per_device_train_batch_size=4, **keys)
     accumulated, acc_loss = one_sgd_step(
         tmp_path, tiny_model_dir, "acc", per_device_train_batch_size=1, gradient_accumulation_steps=4, **keys
     )
     # reference: the model's own mean over every supervised token of the padded batch of 4 (transformers' label
-    # smoother on the shifted labels, as its Trainer applies label_smoothing_factor)
+    # smoother on the shifted labels, as its Trainer applies label_smoothing_factor; the weighted means by hand)
     from transformers.trainer_pt_utils import LabelSmoother
 
     model = load_model(tiny_model_dir)
     data = random_dataset(LENGTHS, seed=5)
     whole = collate([data[i] for i in range(4)])
-    if smoothing:
-        reference = LabelSmoother(epsilon=smoothing)(model(**whole.model_inputs), whole.targets["labels"],
-                                                     shift_labels=True)
+    if keys.get("label_smoothing_factor"):
+        reference = LabelSmoother(epsilon=0.1)(model(**whole.model_inputs), whole.targets["labels"],
+                                               shift_labels=True)
+    elif keys.get("use_dft_loss"):
+        reference = weighted_token_mean(model, whole, dft_weight)
+    elif keys.get("use_eaft_loss"):
+        reference = weighted_token_mean(model, whole, eaft_weight)
     else:
         reference = model(**whole.model_inputs, labels=whole.targets["labels"]).loss
     reference.backward()

@@ -113,6 +113,12 @@ class MethodArgs:
     ref_model_quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="load ref_model in 4 or 8 bit "
                                                  "(bitsandbytes; quantization_type and double_quantization apply)")
     precompute_ref_log_probs: bool = opt(False, help="compute reference log-probs once, cache them, free the reference")
+    use_dft_loss: bool = opt(False, help="sft: DFT, each token's cross-entropy weighted by its probability")
+    use_eaft_loss: bool = opt(False, help="sft: EAFT, each token's cross-entropy weighted by (top-20 entropy / 3) "
+                                          "** eaft_alpha")
+    eaft_alpha: float = opt(1.0, help="sft: the exponent of EAFT's entropy weight")
+    use_asft_loss: bool = opt(False, help="sft: ASFT, the DFT loss plus asft_alpha x KL(starting model || policy)")
+    asft_alpha: float = opt(0.1, help="sft: the weight of ASFT's KL to the starting model")
 
 
 @dataclass
@@ -180,6 +186,8 @@ class TrainArgs:
                           "torchao 4/8-bit)")
     optim_args: str | None = opt(help="the optimizer's own arguments as \"key=value,key2=value2\" (transformers' "
                                       "format), e.g. \"momentum=0.9,nesterov=true\" for sgd")
+    neftune_noise_alpha: float | None = opt(help="NEFTune: uniform noise of scale alpha / sqrt(length x hidden size) "
+                                                 "added to the input embeddings in training")
     label_smoothing_factor: float = opt(0.0, help="pt / sft: the share of each token's target spread evenly over the "
                                                   "vocabulary (smoothed cross-entropy)")
     bf16: bool = opt(False, help="bfloat16 mixed precision")

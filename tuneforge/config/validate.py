@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
@@ -16,6 +17,7 @@ from tuneforge.config.schema import RunConfig
 from tuneforge.config.tracking import check_tracking
 from tuneforge.errors import ConfigError
 from tuneforge.stages import (
+    REFERENCE_BY_ASFT,
     REFERENCE_BY_KL,
     REFERENCE_NEVER,
     STAGES,
@@ -168,6 +170,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     check_tracking(cfg, fail, for_training)  # report_to's trackers, the hub keys' values
     if not 0.0 <= t.label_smoothing_factor < 1.0:
         fail(f"label_smoothing_factor must be in [0, 1) (got {t.label_smoothing_factor})", key="label_smoothing_factor")
+    _check_token_loss(cfg, fail)
     check_scheduler(cfg, fail)
     check_optimizer(cfg, fail)
 
@@ -201,10 +204,27 @@ def _check_streaming(cfg: RunConfig, fail) -> None:
              "streaming", key=("streaming", "precompute_ref_log_probs"))
 
 
+def _check_token_loss(cfg: RunConfig, fail) -> None:
+    """At most one of the sft loss variants, not with label smoothing; their alphas and NEFTune's in range."""
+    me, t = cfg.method, cfg.train
+    chosen = [k for k in ("use_dft_loss", "use_eaft_loss", "use_asft_loss") if getattr(me, k)]
+    if len(chosen) > 1:
+        fail(f"{' and '.join(chosen)} are different losses; choose one", key=tuple(chosen))
+    if chosen and t.label_smoothing_factor:
+        fail(f"{chosen[0]} weights each token's plain cross-entropy; it does not smooth labels: drop "
+             f"label_smoothing_factor", key=(chosen[0], "label_smoothing_factor"))
+    for key in ("eaft_alpha", "asft_alpha"):
+        if getattr(me, key) < 0 or not math.isfinite(getattr(me, key)):
+            fail(f"{key} must be a finite number >= 0 (got {getattr(me, key)})", key=key)
+    if t.neftune_noise_alpha is not None and not (t.neftune_noise_alpha >= 0 and math.isfinite(t.neftune_noise_alpha)):
+        fail(f"neftune_noise_alpha must be a finite number >= 0 (got {t.neftune_noise_alpha}); LlamaFactory's "
+             f"examples use 5", key="neftune_noise_alpha")
+
+
 def uses_reference(cfg: RunConfig) -> bool:
     """True when the stage's loss compares the policy with a reference model (the stage table's row says
     always, never, as its pref_loss row says (dpo except orpo / simpo; kto), or when beta > 0 (grpo))."""
-    return stage_uses_reference(cfg.method.stage, cfg.method.pref_loss, cfg.rl.beta)
+    return stage_uses_reference(cfg.method.stage, cfg.method.pref_loss, cfg.rl.beta, cfg.method.use_asft_loss)
 
 
 def _check_preference(cfg: RunConfig, fail) -> None:
@@ -247,8 +267,14 @@ def _check_preference(cfg: RunConfig, fail) -> None:
             if stage.reference == REFERENCE_BY_KL:
                 fail(f"stage {me.stage} uses a reference only for its KL penalty, and beta is 0; set beta > 0 or "
                      f"drop {key}", key=(key, "beta"))
+            if stage.reference == REFERENCE_BY_ASFT:
+                fail(f"stage {me.stage} uses a reference only for ASFT's KL (use_asft_loss); set use_asft_loss: true "
+                     f"or drop {key}", key=(key, "use_asft_loss"))
             fail(f"pref_loss {me.pref_loss} uses no reference model; drop {key}", key=key)
         return
+    if me.use_asft_loss and me.precompute_ref_log_probs:
+        fail("ASFT's KL compares the whole next-token distributions with the reference's, which cannot be precomputed "
+             "as log-probs; drop precompute_ref_log_probs", key=("use_asft_loss", "precompute_ref_log_probs"))
     if me.pissa_init and me.finetuning_type == "lora" and not me.ref_model:
         fail(
             "with pissa_init the policy without its adapter is the residual of the base, not the base, so it "

@@ -50,6 +50,7 @@ from tuneforge.config.schedules import SCHEDULES
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
 from tuneforge.train import checkpoint, reporters
+from tuneforge.train.neftune import NEFTune
 from tuneforge.train.objectives import OBJECTIVES, Objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
 from tuneforge.train.strategy import Strategy, build_strategy
@@ -324,6 +325,7 @@ class Trainer:
         self.improved = False  # whether the latest evaluation beat the best so far (metric_for_best_model)
         self.best_name = "eval_loss"
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
+        self._noising: Callable[[Batch], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -333,10 +335,15 @@ class Trainer:
             raise DataError(f"{self.cfg.source}: the training dataset is empty; check dataset / max_samples")
         self.stop_requests = _callbacks.StopRequests(self.output_dir)
         self.stop_requests.install()
+        noise = NEFTune(self.model, t.neftune_noise_alpha) if t.neftune_noise_alpha else None
+        if noise:  # the training forward's input embeddings get noise (train/neftune.py)
+            self._noising = noise.noising
         try:
             return self._train(t)
         finally:
             self.stop_requests.restore()
+            if noise:
+                noise.remove()
 
     def _train(self, t: Any) -> dict[str, Any]:
         resumed_from = self._start()
@@ -419,8 +426,9 @@ class Trainer:
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1  # gradients are reduced over ranks once per step: with the last backward
             with self.strategy.accumulating(last):
-                with self._autocast():
-                    out = self.step_module(self._to_device(batch))
+                batch = self._to_device(batch)
+                with self._autocast(), self._noising(batch):
+                    out = self.step_module(batch)
                 self.strategy.backward(out.loss_sum * scale, last)
             loss_sum += out.loss_sum.detach().float()
             add_into(metrics, out.metrics)

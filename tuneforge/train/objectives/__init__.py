@@ -105,9 +105,7 @@ def build_objective(cfg: RunConfig, reference: Reference | None = None, *, gener
     return OBJECTIVES[stage.objective](cfg, reference=reference, generate=generate)
 
 
-register_objective("lm", lambda cfg, reference=None, generate=None: (
-    LMObjective(label_smoothing=cfg.train.label_smoothing_factor, accuracy=cfg.train.compute_accuracy)
-    if cfg.train.label_smoothing_factor or cfg.train.compute_accuracy else lm_objective))
+register_objective("lm", lambda cfg, reference=None, generate=None: LMObjective.from_config(cfg, reference))
 register_objective("reward", lambda cfg, reference=None, generate=None: RewardObjective())
 register_objective("preference", lambda cfg, reference=None, generate=None: PreferenceObjective.from_config(cfg, reference))
 register_objective("kto", lambda cfg, reference=None, generate=None: KTOObjective.from_config(cfg, reference))

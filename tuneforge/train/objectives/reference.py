@@ -23,7 +23,7 @@ import torch
 from tuneforge.batch import Batch
 from tuneforge.errors import ConfigError
 from tuneforge.train.objectives.logps import sequence_logps
-from tuneforge.train.objectives.token_logps import token_logps
+from tuneforge.train.objectives.token_logps import ReferenceRows, reference_rows, token_logps
 
 
 @runtime_checkable
@@ -34,6 +34,11 @@ class Reference(Protocol):
 
     def token_logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """(n,) fp32 log-probs of the batch's supervised targets under the reference (token_logps' order)."""
+        ...
+
+    def target_rows(self, policy_model: torch.nn.Module, batch: Batch) -> ReferenceRows:
+        """What the reference's vocabulary projection reads at the batch's supervised targets (asft's KL over the
+        whole vocabulary): its hidden states and head, or its logits; see token_logps.reference_rows."""
         ...
 
 
@@ -62,6 +67,11 @@ class AdapterReference:
     def token_logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         with self._base(policy_model):
             return token_logps(policy_model, batch, head=self.head, chunk_tokens=self.chunk_tokens).detach()
+
+    def target_rows(self, policy_model: torch.nn.Module, batch: Batch) -> ReferenceRows:
+        with self._base(policy_model):
+            return reference_rows(policy_model, batch, self.head,
+                                  head_context=lambda: self._base(policy_model))
 
     def _base(self, policy_model: torch.nn.Module) -> contextlib.AbstractContextManager:
         if not hasattr(policy_model, "disable_adapter"):
@@ -93,6 +103,10 @@ class ModelReference:
     def token_logps(self, policy_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         with torch.no_grad(), eval_mode(self.model):
             return token_logps(self.model, batch, head=self.head, chunk_tokens=self.chunk_tokens).detach()
+
+    def target_rows(self, policy_model: torch.nn.Module, batch: Batch) -> ReferenceRows:
+        with eval_mode(self.model):
+            return reference_rows(self.model, batch, self.head)
 
 
 def reference_logps(

@@ -21,13 +21,17 @@ peak memory allocated during forward + backward: `model(labels=...)` 1301 MiB, "
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneforge.batch import Batch, text_positions
+from tuneforge.train.objectives.sft_losses import PLAIN, TokenLoss
 from tuneforge.trunk import trunk, unwrapped
 
 IGNORE_INDEX = -100
@@ -104,48 +108,55 @@ def can_fuse_head(model: torch.nn.Module) -> bool:
         return False
 
 
-def _logits_token_logps(logits: torch.Tensor, targets: torch.Tensor, smoothing: float) -> torch.Tensor:
-    return -F.cross_entropy(logits.float(), targets, reduction="none", label_smoothing=smoothing)
+@dataclass(frozen=True)
+class ReferenceRows:
+    """What a reference's vocabulary projection reads at a batch's supervised targets (asft): its kept hidden states
+    and its head (a callable), or its kept logits (head None); in supervised_targets' order."""
+
+    head: Callable[[torch.Tensor], torch.Tensor] | None
+    rows: torch.Tensor
 
 
-def _head_token_logps(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, smoothing: float
-                      ) -> torch.Tensor:
-    return -F.cross_entropy(head(hidden).float(), targets, reduction="none", label_smoothing=smoothing)
+def _chunk_losses(head: torch.nn.Module | None, rows: torch.Tensor, targets: torch.Tensor, loss: TokenLoss,
+                  ref_head: Callable | None = None, ref_rows: torch.Tensor | None = None) -> torch.Tensor:
+    logits = head(rows) if head is not None else rows
+    ref_logits = None
+    if ref_rows is not None:
+        with torch.no_grad():
+            ref_logits = ref_head(ref_rows) if ref_head is not None else ref_rows
+    return loss(logits, targets, ref_logits)
 
 
-def chunked_token_logps(
+def chunked_token_losses(
     head: torch.nn.Module | None, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-    label_smoothing: float = 0.0, hits: list[torch.Tensor] | None = None,
+    loss: TokenLoss = PLAIN, hits: list[torch.Tensor] | None = None, ref: ReferenceRows | None = None,
 ) -> torch.Tensor:
-    """log p(target) of each of n rows, (n,) fp32; rows are hidden states (head given) or logits (head None).
+    """The per-token loss (sft_losses.TokenLoss, plain cross-entropy by default) of each of n rows, (n,) fp32; rows
+    are hidden states (head given) or logits (head None); ref: the reference's rows at the same targets (asft).
 
-    Each chunk is projected (when head is given), log-softmaxed in fp32 and gathered under checkpointing:
-    only its (n,) result is kept for backward, never the (chunk, vocab) logits. label_smoothing: minus the
-    smoothed cross-entropy instead, (1 - e) log p(target) + e x the mean log p over the vocabulary. hits (without
-    gradients only, e.g. evaluation): a list that receives, per chunk, whether each target is the most likely token.
+    Each chunk is projected (when head is given) and turned into fp32 losses under checkpointing: only its (n,) result
+    is kept for backward, never the (chunk, vocab) logits (nor the reference's, recomputed without gradients). hits
+    (without gradients only, e.g. evaluation): a list that receives, per chunk, whether each target is the most
+    likely token.
     """
-    if hits is not None:
-        if torch.is_grad_enabled():
-            raise ValueError("hits are read in evaluation, without gradients")
-        pieces = []
-        for start in range(0, rows.shape[0], chunk_tokens):
-            chunk, chunk_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-            logits = (head(chunk) if head is not None else chunk).float()
-            pieces.append(-F.cross_entropy(logits, chunk_targets, reduction="none", label_smoothing=label_smoothing))
-            hits.append(logits.argmax(dim=-1) == chunk_targets)
-        return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
+    if hits is not None and torch.is_grad_enabled():
+        raise ValueError("hits are read in evaluation, without gradients")
     if rows.shape[0] == 0:  # keep the graph so a batch without targets still back-propagates
         projected = head(rows) if head is not None else rows
         return projected.float().sum(dim=-1) * 0.0
     recompute = torch.is_grad_enabled() and (head is not None or rows.requires_grad)
     pieces = []
     for start in range(0, rows.shape[0], chunk_tokens):
-        chunk, chunk_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if head is not None:
-            args = (_head_token_logps, head, chunk, chunk_targets, label_smoothing)
-        else:
-            args = (_logits_token_logps, chunk, chunk_targets, label_smoothing)
-        pieces.append(checkpoint(*args, use_reentrant=False) if recompute else args[0](*args[1:]))
+        end = start + chunk_tokens
+        chunk, chunk_targets = rows[start:end], targets[start:end]
+        ref_args = (ref.head, ref.rows[start:end]) if ref is not None else ()
+        if hits is not None:
+            logits = (head(chunk) if head is not None else chunk).float()
+            hits.append(logits.argmax(dim=-1) == chunk_targets)
+            pieces.append(_chunk_losses(None, logits, chunk_targets, loss, *ref_args))
+            continue
+        args = (head, chunk, chunk_targets, loss, *ref_args)
+        pieces.append(checkpoint(_chunk_losses, *args, use_reentrant=False) if recompute else _chunk_losses(*args))
     return torch.cat(pieces)
 
 
@@ -164,18 +175,17 @@ def token_logps(
     head); see the module docstring. chunk_tokens: rows per fp32 chunk (default CHUNK_ELEMENTS / vocab size).
     The model's inputs are batch.model_inputs, passed through as they are. Works on peft-wrapped models
     (their decoder holds the adapters) and on a value-head model (its language model's log-probs)."""
-    return _token_logps(model, batch, head, chunk_tokens, with_values=False)[0]
+    return -_token_losses(model, batch, head, chunk_tokens, with_values=False)[0]
 
 
 def token_losses(
     model: torch.nn.Module, batch: Batch, head: str = "auto", chunk_tokens: int | None = None,
-    label_smoothing: float = 0.0, hits: list[torch.Tensor] | None = None,
+    loss: TokenLoss = PLAIN, hits: list[torch.Tensor] | None = None, ref: ReferenceRows | None = None,
 ) -> torch.Tensor:
-    """(n,) fp32 cross-entropy of the batch's supervised targets (-token_logps); with label_smoothing e, the smoothed
-    cross-entropy (1 - e) x -log p(target) + e x the mean of -log p over the vocabulary, transformers'
-    label_smoothing_factor (torch's cross_entropy(label_smoothing=e)). hits: see chunked_token_logps."""
-    return -_token_logps(model, batch, head, chunk_tokens, with_values=False, smoothing=label_smoothing,
-                         hits=hits)[0]
+    """(n,) fp32 per-token losses of the batch's supervised targets: by default their cross-entropy (-token_logps);
+    loss: another of sft_losses (label-smoothed cross-entropy, dft, eaft, asft with ref, the reference's
+    `reference_rows` of the same batch). hits: see chunked_token_losses."""
+    return _token_losses(model, batch, head, chunk_tokens, with_values=False, loss=loss, hits=hits, ref=ref)[0]
 
 
 def token_logps_and_values(
@@ -184,25 +194,35 @@ def token_logps_and_values(
     """(log-probs, values), each (n,) fp32 in supervised_targets' order, from one decoder pass of a value-head model
     (a PPO policy and its critic): the value head reads the same last hidden states the vocabulary projection
     reads, at the positions that predict each target (the state before the token)."""
-    logps, values = _token_logps(model, batch, head, chunk_tokens, with_values=True)
-    return logps, values
+    losses, values = _token_losses(model, batch, head, chunk_tokens, with_values=True)
+    return -losses, values
 
 
-def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: int | None, *, with_values: bool,
-                 smoothing: float = 0.0, hits: list[torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    value_head = getattr(model, "v_head", None)
-    if isinstance(value_head, torch.nn.Module):  # a ValueHeadModel: the log-probs are its language model's
-        model = model.model
-    elif with_values:
-        raise ValueError(f"{type(model).__name__} has no value head (v_head)")
-    keep, targets = supervised_targets(batch)
-    if fuses_head(model, head):
-        projection = model.get_output_embeddings()
+def reference_rows(model: torch.nn.Module, batch: Batch, head: str = "auto",
+                   head_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> ReferenceRows:
+    """What `model`'s vocabulary projection reads at the batch's supervised targets, without gradients: the
+    reference side of asft's KL. head_context: entered around each call of the head (the policy's own head with its
+    adapters disabled, for the policy-without-adapters reference)."""
+    with torch.no_grad():
+        projection, rows, _ = _projection_rows(model, batch, fuses_head(model, head), with_values=False)
+    if projection is None or head_context is None:
+        return ReferenceRows(projection, rows)
+
+    def head_fn(hidden: torch.Tensor) -> torch.Tensor:
+        with head_context():
+            return projection(hidden)
+
+    return ReferenceRows(head_fn, rows)
+
+
+def _projection_rows(model: torch.nn.Module, batch: Batch, fused: bool, *, with_values: bool
+                     ) -> tuple[torch.nn.Module | None, torch.Tensor, torch.Tensor | None]:
+    """(head, rows, hidden): fused, the vocabulary projection and the kept last hidden states as rows; else None and
+    the kept logits of the model's own forward. hidden: the kept hidden states when with_values (for a value head)."""
+    keep, _ = supervised_targets(batch)
+    if fused:
         hidden = trunk(model)(**batch.model_inputs, use_cache=False).last_hidden_state[keep]
-        vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
-        logps = chunked_token_logps(projection, hidden, targets, _chunk(chunk_tokens, vocab), smoothing, hits)
-        return logps, _values(value_head, hidden) if with_values else None
+        return model.get_output_embeddings(), hidden, hidden if with_values else None
     heads_input: list[torch.Tensor] = []  # what the vocabulary projection reads: the kept last hidden states
     hook = (model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: heads_input.append(args[0]))
             if with_values else None)
@@ -223,8 +243,25 @@ def _token_logps(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: 
         hidden = hidden[keep] if hidden is not None else None
     elif hidden is not None and hidden.dim() == 3:
         hidden = hidden[0]
-    logps = chunked_token_logps(None, logits, targets, _chunk(chunk_tokens, logits.shape[-1]), smoothing, hits)
-    return logps, _values(value_head, hidden) if with_values else None
+    return None, logits, hidden
+
+
+def _token_losses(model: torch.nn.Module, batch: Batch, head: str, chunk_tokens: int | None, *, with_values: bool,
+                  loss: TokenLoss = PLAIN, hits: list[torch.Tensor] | None = None, ref: ReferenceRows | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    value_head = getattr(model, "v_head", None)
+    if isinstance(value_head, torch.nn.Module):  # a ValueHeadModel: the log-probs are its language model's
+        model = model.model
+    elif with_values:
+        raise ValueError(f"{type(model).__name__} has no value head (v_head)")
+    _, targets = supervised_targets(batch)
+    projection, rows, hidden = _projection_rows(model, batch, fuses_head(model, head), with_values=with_values)
+    if projection is None:
+        vocab = rows.shape[-1]
+    else:
+        vocab = projection.weight.shape[0] if hasattr(projection, "weight") else model.config.vocab_size
+    losses = chunked_token_losses(projection, rows, targets, _chunk(chunk_tokens, vocab), loss, hits, ref)
+    return losses, _values(value_head, hidden) if with_values else None
 
 
 def _values(value_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
