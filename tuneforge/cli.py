@@ -18,6 +18,7 @@ tuneforge api CONFIG [key=value ...]          serve it behind an OpenAI-compatib
 tuneforge export CONFIG [key=value ...]       merge the adapter into the base; write export_dir (or a GGUF file)
 tuneforge eval CONFIG [key=value ...]         loss / perplexity, generated answers (BLEU, ROUGE), or a benchmark (task)
 tuneforge data preview CONFIG [-n N]          show rendered samples with the supervised spans marked
+tuneforge llama-pro MODEL OUTPUT --num-expand N   LLaMA Pro: add N blocks that start as identities (use_llama_pro)
 tuneforge webui [--host H --port P --root D]  train, watch, chat, evaluate and export in the browser
 tuneforge env                                 versions, device, threads
 tuneforge version
@@ -72,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     preview = data.add_parser("preview", help="rendered samples, supervised spans marked")
     _config_args(preview)
     preview.add_argument("-n", type=int, default=3, help="number of samples (default 3)")
+    pro = sub.add_parser("llama-pro", help="LLaMA Pro block expansion: a model with N added identity blocks")
+    pro.add_argument("model", help="model folder or built-in alias")
+    pro.add_argument("output", help="new folder for the expanded model")
+    pro.add_argument("--num-expand", type=int, required=True, help="blocks to add (a divisor of the layer count)")
+    pro.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model folder")
     webui = sub.add_parser("webui", help="the web UI")
     webui.add_argument("--host", help="address to listen on (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
     webui.add_argument("--port", type=int, help="port (default: $GRADIO_SERVER_PORT, else 7860)")
@@ -224,6 +230,19 @@ def cmd_eval(args) -> None:
         print(line)
 
 
+def cmd_llama_pro(args) -> None:
+    from tuneforge.config import ModelArgs
+    from tuneforge.model.llama_pro import expand_model
+    from tuneforge.model.load import resolve_model_path
+
+    source = resolve_model_path(ModelArgs(model_name_or_path=args.model))
+    r = expand_model(str(source), args.output, args.num_expand, trust_remote_code=args.trust_remote_code)
+    print(f"{r['layers']} -> {r['expanded_layers']} layers in {r['output']}; new blocks {r['new_blocks']} (logits "
+          f"unchanged: max difference {r['max_logit_difference']:.1g})")
+    print(f"train it with: model_name_or_path: {r['output']}, finetuning_type: freeze (or lora), "
+          f"freeze_trainable_layers: {args.num_expand}, use_llama_pro: true")
+
+
 def cmd_env(_args) -> None:
     import importlib.metadata as md
     import platform
@@ -266,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     command = {
         "train": cmd_train, "preprocess": cmd_preprocess, "chat": cmd_chat, "api": cmd_api,
-        "export": cmd_export, "eval": cmd_eval, "env": cmd_env, "webui": cmd_webui,
+        "export": cmd_export, "eval": cmd_eval, "env": cmd_env, "webui": cmd_webui, "llama-pro": cmd_llama_pro,
     }.get(args.command)
     if args.command == "data":
         command = cmd_data_preview

@@ -101,7 +101,6 @@ NOT_YET: dict[str, Any] = {
     'eval_num_beams': None,
     'oft_block_share': False,
     'module_dropout': 0.0,
-    'use_llama_pro': False,
     'use_adam_mini': False,
     'use_muon': False,
     'use_galore': False,

@@ -93,6 +93,8 @@ class MethodArgs:
     freeze_trainable_layers: int = opt(2, help="freeze: train the last N layers (negative: the first N)")
     freeze_trainable_modules: list[str] = opt(["all"], help="freeze: module names inside those layers")
     freeze_extra_modules: list[str] | None = opt(help="freeze: extra modules to train (e.g. embed_tokens)")
+    use_llama_pro: bool = opt(False, help="LLaMA Pro: train only the blocks `tuneforge llama-pro` added (freeze: the "
+                                          "blocks; lora / oft: adapters on them), freeze_trainable_layers of them")
     oft_rank: int = opt(0, help="OFT rank (number of blocks); set this or oft_block_size")
     oft_block_size: int = opt(32, help="OFT block size; set this or oft_rank")
     oft_target: list[str] = opt(["all"], help="modules to adapt with OFT")

@@ -73,6 +73,14 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
         fail("oft: set exactly one of oft_rank and oft_block_size > 0 (the other 0)", key=("oft_rank", "oft_block_size"))
     if me.use_dora and me.pissa_init:
         fail("use_dora and pissa_init cannot be combined; choose one", key=("use_dora", "pissa_init"))
+    if me.use_llama_pro:
+        if me.finetuning_type == "full":
+            fail("use_llama_pro trains only the added blocks: use finetuning_type freeze (the blocks) or lora / oft "
+                 "(adapters on them), not full", key=("use_llama_pro", "finetuning_type"))
+        if me.freeze_trainable_layers <= 0:
+            fail(f"use_llama_pro: freeze_trainable_layers is the number of blocks `tuneforge llama-pro` added "
+                 f"(--num-expand), > 0 (got {me.freeze_trainable_layers})",
+                 key=("use_llama_pro", "freeze_trainable_layers"))
     if m.quantization_bit is not None:
         if me.finetuning_type not in ("lora", "oft"):
             fail(

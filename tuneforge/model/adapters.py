@@ -12,6 +12,7 @@ from torch import nn
 
 from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model.hub import resolve_adapter
+from tuneforge.model.llama_pro import expanded_layer_ids
 from tuneforge.model.multimodal import adapted_paths, freeze_media_side, language_model_path
 
 if TYPE_CHECKING:
@@ -76,13 +77,17 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def setup_freeze(model: nn.Module, method: MethodArgs) -> None:
-    """Train the last N decoder layers (first N when negative), only the named submodules, plus extras."""
+    """Train the last N decoder layers (first N when negative; with use_llama_pro, the N added blocks), only the
+    named submodules, plus extras."""
     layers_path, layers = decoder_layers(model)
     count, wanted = len(layers), method.freeze_trainable_layers
-    if wanted == 0 or abs(wanted) > count:
+    if method.use_llama_pro:  # the blocks `tuneforge llama-pro` added
+        layer_ids = expanded_layer_ids(count, wanted)
+    elif wanted == 0 or abs(wanted) > count:
         raise ConfigError(f"freeze_trainable_layers must be between -{count} and {count} and not 0 "
                           f"(the model has {count} layers; got {wanted})")
-    layer_ids = range(count - wanted, count) if wanted > 0 else range(-wanted)
+    else:
+        layer_ids = range(count - wanted, count) if wanted > 0 else range(-wanted)
     model.requires_grad_(False)
     names = method.freeze_trainable_modules or ["all"]
     for idx in layer_ids:
@@ -198,13 +203,19 @@ def adapter_config(model: nn.Module, method: MethodArgs):
 
     save = _modules_to_save(model, method.additional_target)
     tied = _touches_tied_embeddings(model, save)
+    # use_llama_pro: adapters only on the blocks `tuneforge llama-pro` added (peft's layers_to_transform)
+    layers = {}
+    if method.use_llama_pro:
+        path, decoder = decoder_layers(model)
+        layers = {"layers_to_transform": expanded_layer_ids(len(decoder), method.freeze_trainable_layers),
+                  "layers_pattern": path.rsplit(".", 1)[-1]}
     if method.finetuning_type == "oft":
         if tied:
             raise ConfigError("additional_target names a tied embedding, which peft's OFT cannot keep tied; "
                               "use finetuning_type lora, or drop it from additional_target")
         return OFTConfig(task_type="CAUSAL_LM", r=method.oft_rank, oft_block_size=method.oft_block_size,
                          target_modules=target_modules(model, method.oft_target, "oft_target", method),
-                         modules_to_save=save)
+                         modules_to_save=save, **layers)
     return LoraConfig(
         task_type="CAUSAL_LM", r=method.lora_rank,
         lora_alpha=method.lora_alpha if method.lora_alpha is not None else 2 * method.lora_rank,
@@ -213,6 +224,7 @@ def adapter_config(model: nn.Module, method: MethodArgs):
         modules_to_save=save, use_dora=method.use_dora, use_rslora=method.use_rslora,
         init_lora_weights=pissa_init_name(method.pissa_iter) if method.pissa_init else True,
         ensure_weight_tying=tied,  # a trained copy of embed_tokens is also the head's
+        **layers,
     )
 
 
