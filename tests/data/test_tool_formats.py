@@ -83,3 +83,24 @@ def test_tool_format_values(tokenizer):
         build({"tool_format": "glm4"})
     texts = {template.resolve_template("chatml", tokenizer, tool_format=f).text(tokenizer) for f in (None, "qwen")}
     assert len(texts) == 2  # part of the cache key
+
+
+def test_a_vision_language_models_prompts_and_training_get_the_format(vlm_dir):
+    """Qwen2-VL's processor template renders no tools: tool_format writes them, in training and in its prompts
+    (chat, api, predict), with the processor's list-of-parts messages."""
+    from transformers import AutoConfig
+
+    from tuneforge.data import formats, media, multimodal
+    from tuneforge.model.processor import load_processor
+
+    processor = load_processor(vlm_dir, AutoConfig.from_pretrained(vlm_dir))
+    chat = template.resolve_template(None, processor.tokenizer, tool_format="qwen")
+    conv = formats.to_conversation(ROW, ATTR)
+    sample = multimodal.render_sample(processor, chat, copy.deepcopy(conv), media.MediaSettings())
+    trained = processor.tokenizer.decode(sample.ids)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert call in trained and '<tools>\n{"type": "function"' in trained.split("<|im_end|>")[0]
+    conv.messages = conv.messages[:-1]  # up to the answer after the tool's result
+    ids, _ = multimodal.prompt_inputs(processor, conv, media.MediaSettings(), conv.tools, chat)
+    prompt = processor.tokenizer.decode(ids)
+    assert trained.startswith(prompt) and call in prompt

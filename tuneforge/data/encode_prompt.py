@@ -91,7 +91,7 @@ def encode_prompts(
                 ids = template.render_prompt(tokenizer, chat, conv.chat_messages(), conv.tools)
             else:
                 conv.media = conv.media or media.row_media(row, attr.columns)
-                ids, tensors = multimodal.prompt_inputs(processor, conv, media_settings, conv.tools, chat.kwargs)
+                ids, tensors = multimodal.prompt_inputs(processor, conv, media_settings, conv.tools, chat)
                 if len(ids) <= budget:
                     blob = multimodal.pack_tensors(multimodal.stored_tensors(tensors, len(ids)), list(range(len(ids))))
         except BadRow as e:

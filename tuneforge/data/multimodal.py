@@ -185,17 +185,21 @@ def generate_inputs(blob: bytes | None) -> dict[str, Any]:
 
 
 def prompt_inputs(processor: Any, conv: Conversation, settings: media.MediaSettings,
-                  tools: list[dict[str, Any]] | None = None, options: dict[str, Any] | None = None,
+                  tools: list[dict[str, Any]] | str | None = None, chat: template.ChatTemplate | None = None,
                   ) -> tuple[list[int], dict[str, Any]]:
     """A conversation up to the assistant's next turn (generation prompt included) with its media: the token ids
-    and the processor's tensors for model.generate (chat, api). options: the variables the chat template reads
-    (ChatTemplate.kwargs). BadRow for a broken file or placeholder count."""
+    and the processor's tensors for model.generate (chat, api). chat: the run's chat template (its options, the
+    variables the processor's template reads, and its tool_format, as training renders). BadRow for a broken file
+    or placeholder count."""
     if settings.use_audio_in_video:
         conv = video_sound(conv, media.placeholders())
     place_media(conv, media.placeholders())
+    messages, tools = chat_messages(conv), template.parse_tools(tools) if isinstance(tools, str) else tools
+    if chat is not None:
+        messages, tools = template.with_tool_format(chat, messages, tools or None)
     try:
-        text = processor.apply_chat_template(chat_messages(conv), tools=tools, tokenize=False,
-                                             add_generation_prompt=True, **(options or {}))
+        text = processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **(chat.kwargs if chat is not None else {}))
     except Exception as e:  # templates raise for conversations they refuse
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
     out = process(processor, text, media.load_media(conv.media, settings, processor), settings)

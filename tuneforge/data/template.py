@@ -163,7 +163,7 @@ def _render(
         raise BadRow(f"the chat template cannot render this conversation: {e}") from None
 
 
-def _with_tool_format(template: ChatTemplate, messages: list[dict], tools: list | None) -> tuple[list[dict], list | None]:
+def with_tool_format(template: ChatTemplate, messages: list[dict], tools: list | None) -> tuple[list[dict], list | None]:
     """With a tool_format, the tools and call turns written into the messages (no tools left for the template)."""
     if template.tool_format:
         return tool_formats.apply(template.tool_format, messages, tools), None
@@ -177,7 +177,7 @@ def render_prompt(
     as training tokenizes (chat, eval and the RL stages' prompts all start from this)."""
     if isinstance(tools, str):
         tools = parse_tools(tools)
-    messages, tools = _with_tool_format(template, messages, tools or None)
+    messages, tools = with_tool_format(template, messages, tools or None)
     text = _render(tokenizer, template, messages, tools, True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -197,7 +197,7 @@ def render(
 
         messages = fold_reasoning(messages, "reasoning_content" in template.text(tokenizer))
     # once for the whole conversation: each prefix below renders the same messages
-    messages, tools = _with_tool_format(template, messages, parse_tools(conv.tools))
+    messages, tools = with_tool_format(template, messages, parse_tools(conv.tools))
     full = _render(tokenizer, template, messages, tools, False)
     spans: list[tuple[int, int]] = []
     cursor = 0

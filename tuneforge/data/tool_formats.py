@@ -98,17 +98,37 @@ def syntax(fmt: str) -> ToolSyntax:
 
 
 def apply(fmt: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The messages with the tools described in the system message and each call turn in the format's syntax."""
+    """The messages with the tools described in the system message and each call turn in the format's syntax.
+    Contents may be strings or a processor's lists of parts (a call turn is then its one text part)."""
     out = [dict(m) for m in messages]
     for m in out:
-        if m["role"] == "assistant" and isinstance(m.get("content"), str):
-            _, calls = _whole_json(m["content"])
+        text = _only_text(m.get("content"))
+        if m["role"] == "assistant" and text is not None:
+            _, calls = _whole_json(text)
             if calls:
-                m["content"] = syntax(fmt).render(calls)
+                m["content"] = _with_text(m["content"], syntax(fmt).render(calls))
     if tools:
         described = _TOOLS_TEXT[fmt](tools)
+        parts = any(isinstance(m.get("content"), list) for m in out)
         if out and out[0]["role"] == "system":
-            out[0]["content"] = f"{out[0]['content']}\n\n{described}" if out[0]["content"] else described
+            system = out[0]["content"]
+            if isinstance(system, list):
+                out[0]["content"] = [*system, {"type": "text", "text": f"\n\n{described}" if system else described}]
+            else:
+                out[0]["content"] = f"{system}\n\n{described}" if system else described
         else:
-            out.insert(0, {"role": "system", "content": described})
+            out.insert(0, {"role": "system", "content": [{"type": "text", "text": described}] if parts else described})
     return out
+
+
+def _only_text(content: Any) -> str | None:
+    """A content's text when it is only text: a string, or a list of one text part."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and len(content) == 1 and content[0].get("type") == "text":
+        return content[0].get("text")
+    return None
+
+
+def _with_text(content: Any, text: str) -> Any:
+    return text if isinstance(content, str) else [{**content[0], "text": text}]

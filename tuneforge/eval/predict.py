@@ -43,7 +43,6 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
     image)."""
     from tuneforge.data import formats, media, multimodal, registry
     from tuneforge.data.encode import bad_row_error
-    from tuneforge.data.template import parse_tools
     from tuneforge.infer.generation import render_prompt
 
     d = cfg.data
@@ -73,7 +72,7 @@ def eval_samples(cfg: Any, tokenizer: Any, template: Any, processor: Any = None
                 if processor is not None:
                     conv.media = conv.media or media.row_media(row, attr.columns)
                     ids, tensors = multimodal.prompt_inputs(processor, conv, settings,
-                                                            tools=parse_tools(conv.tools), options=template.kwargs)
+                                                            tools=conv.tools, chat=template)
                     samples.append(Sample(ids, label, tensors))
                     continue
                 ids = render_prompt(tokenizer, template, conv.chat_messages(), tools=conv.tools)

@@ -29,7 +29,6 @@ import torch
 from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.data.media import COLUMN_OF, MediaSettings, supported_media
 from tuneforge.data.multimodal import prompt_inputs, repeat_inputs
-from tuneforge.data.template import parse_tools
 from tuneforge.errors import ConfigError, TuneforgeError
 from tuneforge.infer.decode import Output
 from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs, render_prompt
@@ -147,7 +146,7 @@ class Engine:
                 if self.processor is None:
                     return render_prompt(self.tokenizer, chat, messages, tools), {}
                 return prompt_inputs(self.processor, _conversation(messages, media), self.media,
-                                     parse_tools(tools) if isinstance(tools, str) else tools, chat.kwargs)
+                                     tools, chat)
         except TuneforgeError:
             raise
         except BadRow as e:

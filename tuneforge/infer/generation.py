@@ -112,7 +112,7 @@ def answer(model: Any, tokenizer: Any, template: ChatTemplate, question: str, *,
         from tuneforge.data.multimodal import prompt_inputs
 
         prompt, tensors = prompt_inputs(processor, Conversation(system=system, messages=messages[-1:]),
-                                        MediaSettings(), options=template.kwargs)
+                                        MediaSettings(), chat=template)
         extra = {k: v.to(device) for k, v in tensors.items()}
     else:
         prompt = render_prompt(tokenizer, template, messages)

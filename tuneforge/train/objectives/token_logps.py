@@ -1,7 +1,8 @@
 """The one token log-prob path: log p(target) of every supervised target of a batch, without all the logits.
 
 Every objective and evaluation goes through `token_logps`: the lm objective's cross-entropy sum is minus
-their sum; the preference objectives add them up per sequence (logps.sequence_logps).
+their sum (its other per-token losses, sft_losses, read the same chunks); the preference objectives add them up
+per sequence (logps.sequence_logps).
 
 The vocabulary projection dominates activation memory (49k-256k logits per token). Two ways to the logits:
 - "fused" (default when the model allows it): run the decoder, keep the hidden states of the positions
