@@ -59,7 +59,7 @@ def cfg(tmp_path, **kw):
         ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1}, "sigmoid only"),
         ({"stage": "kto", "kto_rejected_weight": 0}, "must be > 0"),
         ({"stage": "dpo", "ref_model_adapters": "a"}, "ref_model_adapters needs ref_model"),
-        ({"stage": "sft", "ref_model": "m"}, "ref_model is for stages ppo, dpo, kto and grpo"),
+        ({"stage": "pt", "ref_model": "m"}, "ref_model is for stages sft, ppo, dpo, kto and grpo"),
         ({"stage": "rm", "precompute_ref_log_probs": True}, "stage rm has no reference model"),
         ({"stage": "dpo", "pref_loss": "simpo", "ref_model": "m"}, "simpo uses no reference model"),
         ({"stage": "dpo", "pref_loss": "orpo", "precompute_ref_log_probs": True}, "orpo uses no reference"),
@@ -115,7 +115,8 @@ def test_preference_defaults_are_llamafactorys(tmp_path):
         ({"lora_rank": 0}, ("lora_rank",)),
         ({"bf16": True, "fp16": True}, ("bf16", "fp16")),
         ({"per_device_eval_batch_size": 0}, ("per_device_eval_batch_size",)),
-        ({"stage": "sft", "ref_model": "m"}, ("ref_model",)),
+        ({"stage": "sft", "ref_model": "m"}, ("ref_model", "use_asft_loss")),
+        ({"stage": "pt", "ref_model": "m"}, ("ref_model",)),
         ({"learnig_rate": 1e-4}, ("learnig_rate",)),  # unknown key (the loader)
         ({"cutoff_len": "long"}, ("cutoff_len",)),  # wrong type (the loader)
         ({"deepspeed": "missing.json"}, ("deepspeed",)),
