@@ -126,7 +126,7 @@ def test_the_tables_drive_config_validation(tmp_path, tiny_model_dir, toys):
     with pytest.raises(ConfigError, match="applies to pref_loss sigmoid only"):
         config(tmp_path, tiny_model_dir, stage="dpo", pref_loss="toy_margin", dataset="dpo_demo",
                dpo_label_smoothing=0.1)
-    with pytest.raises(ConfigError, match="ref_model is for stages ppo, dpo, kto and grpo; stage focal"):
+    with pytest.raises(ConfigError, match="ref_model is for stages sft, ppo, dpo, kto and grpo; stage focal"):
         config(tmp_path, tiny_model_dir, stage="focal", dataset="alpaca_demo", ref_model="m")
     unregister("focal", STAGES)
     with pytest.raises(ConfigError, match="stage"):
