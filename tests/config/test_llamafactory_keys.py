@@ -75,7 +75,7 @@ def test_allow_extra_args_lets_unknown_keys_through_with_a_warning(monkeypatch, 
     build({"my_own_key": 1})
     assert "unknown key 'my_own_key' ignored (ALLOW_EXTRA_ARGS is set)" in caplog.text
     with pytest.raises(ConfigError, match="not supported by tuneforge yet"):  # a key that would change the result
-        build({"use_unsloth": True})
+        build({"train_from_scratch": True})
 
 
 def test_a_key_tuneforge_cannot_honour_is_named_before_an_unknown_one():

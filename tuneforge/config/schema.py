@@ -39,6 +39,17 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 SWANLAB_MODES = ("cloud", "online", "local", "offline", "disabled")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+UNSLOTH = ("needs the unsloth package, which replaces transformers' model code with its own CUDA kernels; tuneforge "
+           "does not load it. Its LoRA is tuneforge's own (finetuning_type: lora) with gradient checkpointing (on by "
+           "default); on CUDA, enable_liger_kernel and torch_compile give fused kernels. Remove use_unsloth")
+UNSLOTH_GC = ("is Unsloth's gradient checkpointing (saved activations offloaded to CPU memory), which tuneforge does not "
+              "have; torch's gradient checkpointing is on by default (disable_gradient_checkpointing: false). Remove "
+              "use_unsloth_gc")
+MOD = ("needs the mixture-of-depth package, whose last release (1.2.0) does not import with transformers 5 "
+       "(it reads transformers.TRANSFORMERS_CACHE, which is gone) and wraps decoder layers by transformers 4's call "
+       "convention; remove mixture_of_depths")
+FP8_OTHER = "is not supported (Transformer Engine / MS-AMP are not wired in); use fp8_backend: torchao (or auto)"
 
 
 @dataclass
@@ -55,6 +66,16 @@ class ModelArgs:
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
     disable_gradient_checkpointing: bool = opt(False, help="gradient checkpointing is on by default")
+    # kernels and precision of the model's own layers (tuneforge/model/kernels.py)
+    upcast_layernorm: bool = opt(False, help="keep the norm layers' weights in fp32 when the model loads in bf16 / fp16")
+    upcast_lmhead_output: bool = opt(False, help="the vocabulary head's output in fp32 under bf16 / fp16 (tuneforge's "
+                                                 "loss already casts each logits chunk to fp32)")
+    enable_liger_kernel: bool = opt(False, help="CUDA: patch the model family's layers with liger-kernel's Triton "
+                                                "kernels (RMSNorm, SwiGLU, rotary; pip install 'tuneforge[liger]')")
+    use_unsloth: bool = opt(False, choices=(False,), refused={True: UNSLOTH}, help="not supported: " + UNSLOTH)
+    use_unsloth_gc: bool = opt(False, choices=(False,), refused={True: UNSLOTH_GC}, help="not supported: " + UNSLOTH_GC)
+    mixture_of_depths: str | None = opt(None, choices=(None,), refused={"convert": MOD, "load": MOD},
+                                        help="not supported: " + MOD)
     quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="QLoRA: load the base in 4 or 8 bit")
     quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")
     double_quantization: bool = opt(True, help="4-bit: quantize the quantization constants too")
@@ -194,6 +215,21 @@ class TrainArgs:
                                                   "vocabulary (smoothed cross-entropy)")
     bf16: bool = opt(False, help="bfloat16 mixed precision")
     fp16: bool = opt(False, help="float16 mixed precision")
+    # kernels and compilation (tuneforge/model/kernels.py)
+    tf32: bool | None = opt(None, help="CUDA: true lets fp32 matmuls / convolutions use TF32 (Ampere or newer), false "
+                                       "forbids it; unset: torch's default. The CPU has no TF32: ignored there")
+    torch_compile: bool = opt(False, help="compile each decoder layer with torch.compile (set by torch_compile_backend "
+                                          "/ _mode too)")
+    torch_compile_backend: str | None = opt(help="torch.compile backend (default inductor; torch._dynamo.list_backends())")
+    torch_compile_mode: str | None = opt(None, choices=COMPILE_MODES, help="torch.compile mode: default, "
+                                         "reduce-overhead, max-autotune, max-autotune-no-cudagraphs")
+    use_liger_kernel: bool = opt(False, help="transformers' name of enable_liger_kernel")
+    liger_kernel_config: dict | None = opt(help="liger-kernel's switches, e.g. {rope: true, rms_norm: true, swiglu: "
+                                                "true} (default: its own for the model family)")
+    fp8: bool = opt(False, help="CUDA (Ada / Hopper): train the decoder's linear layers with torchao's float8 matmuls")
+    fp8_backend: str = opt("auto", choices=("auto", "torchao"), refused={"te": FP8_OTHER, "msamp": FP8_OTHER},
+                           help="fp8 implementation: auto = torchao")
+    fp8_enable_fsdp_float8_all_gather: bool = opt(False, help="fp8 under fsdp: all-gather the weights in float8")
     seed: int = opt(42, help="random seed")
     data_seed: int | None = opt(help="seed of the training data's order (default: seed)")
     disable_shuffling: bool = opt(False, help="train on the rows in dataset order, every epoch")

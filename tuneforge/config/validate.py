@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
+from tuneforge.config.kernels import check_kernels
 from tuneforge.config.optimizers import OPTIMIZERS, check_optimizer
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.rl import check_rl
@@ -181,6 +182,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     _check_token_loss(cfg, fail)
     check_scheduler(cfg, fail)
     check_optimizer(cfg, fail)
+    check_kernels(cfg, fail, for_training)  # torch_compile, tf32, liger-kernel, fp8: what they need
 
     _check_ray(cfg, fail)
     if d.streaming and for_training and t.do_train:

@@ -13,6 +13,7 @@ from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, load_adapter, upcast_trainable_params
 from tuneforge.model.hub import resolve, resolve_adapter
+from tuneforge.model.kernels import check_liger, compile_layers, patch_model, set_tf32, upcast_norms
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
@@ -125,15 +126,19 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     # full fine-tuning trains (and so keeps in fp32) every weight: load it in fp32 directly
     load_dtype = torch.float32 if method.finetuning_type == "full" else run_dtype
     quant = quantization_config(m, run_dtype)
+    set_tf32(cfg.train.tf32, device)
+    check_liger(config, cfg)
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
     _use_packed_sdpa(model, cfg)
+    patch_model(model, cfg)  # liger-kernel, fp8, upcast_layernorm, upcast_lmhead_output
     if quant is not None or saved is not None:
         _prepare_quantized(model)
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = apply_finetuning(model, cfg)
     upcast_trainable_params(model)
+    compile_layers(model, cfg.train)
     model.train()
     logger.info(
         "loaded %s: dtype %s (trainable params fp32), attention %s, quantization %s, finetuning %s, "
@@ -282,11 +287,7 @@ def _prepare_quantized(model: PreTrainedModel) -> None:
     """
     for param in model.parameters():
         param.requires_grad_(False)
-    for module in model.modules():
-        if "norm" in type(module).__name__.lower():
-            for param in module.parameters(recurse=False):
-                if param.is_floating_point() and param.dtype != torch.float32:
-                    param.data = param.data.float()
+    upcast_norms(model)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
