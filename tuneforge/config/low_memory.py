@@ -103,9 +103,9 @@ def _check_strategy(cfg: RunConfig, key: str, fail: Callable[..., None]) -> None
     name = METHODS[key][0]
     if t.deepspeed is not None or t.fsdp:
         which = "deepspeed" if t.deepspeed is not None else "fsdp"
+        where = "one process" if key == "use_badam" or layerwise(cfg) else "one process or several (DDP)"
         fail(f"{key}: {name} needs whole weights and gradients on each process, which {which} shards; drop {which} "
-             f"(one process, or DDP{'' if key in ('use_badam',) or layerwise(cfg) else ': several processes'})",
-             key=(key, which))
+             f"({name} runs on {where})", key=(key, which))
     processes = planned_processes(cfg)
     if layerwise(cfg):
         lw = "galore_layerwise" if cfg.memory.use_galore else "apollo_layerwise"

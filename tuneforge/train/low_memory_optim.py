@@ -110,17 +110,16 @@ def _apollo(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
 def _allow_projectors_in_checkpoints() -> None:
     """The projectors live in the optimizer state as plain objects (their matrices, seeds and counters); let
     checkpoints load them under torch.load(weights_only=True)."""
-    from galore_torch.galore_projector import GaLoreProjector
+    import importlib
 
-    safe: list[type] = [GaLoreProjector]
-    try:
-        from apollo_torch.random_projector import GradientProjector
-        from apollo_torch.svd_projector import GaLoreProjector as ApolloSvdProjector
-
-        safe += [GradientProjector, ApolloSvdProjector]
-    except ImportError:  # GaLore without APOLLO installed
-        pass
-    torch.serialization.add_safe_globals(safe)
+    for module, names in (("galore_torch.galore_projector", ["GaLoreProjector"]),
+                          ("apollo_torch.random_projector", ["GradientProjector"]),
+                          ("apollo_torch.svd_projector", ["GaLoreProjector"])):
+        try:  # one of the two packages may be missing
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        torch.serialization.add_safe_globals([getattr(found, name) for name in names])
 
 
 def _maybe_layerwise(cfg: RunConfig, cls: type, groups: list[dict[str, Any]],
