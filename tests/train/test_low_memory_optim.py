@@ -247,3 +247,12 @@ def test_badam_keeps_the_weights_in_bf16_and_an_fp32_copy_of_the_active_block(tm
     assert [c.dtype for c in copies] == [torch.float32] * len(block)
     for copy_, weight in zip(copies, block, strict=True):
         torch.testing.assert_close(copy_.to(torch.bfloat16), weight, rtol=0, atol=0)
+
+
+def test_galore_projectors_keep_only_their_rank_r_matrix(tmp_path, tiny_model_dir):
+    """galore-torch slices its projection out of the whole SVD factor; the optimizer keeps the slice alone."""
+    cfg, model, ours = built(tmp_path, tiny_model_dir, use_galore=True, galore_rank=4)
+    one_step(model, ours, batch_of())
+    projectors = [s["projector"].ortho_matrix for s in ours.state.values() if "projector" in s]
+    assert projectors and all(m.untyped_storage().nbytes() == m.numel() * 4 for m in projectors)
+    assert {4} <= {d for m in projectors for d in m.shape}

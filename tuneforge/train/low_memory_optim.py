@@ -125,10 +125,32 @@ def _allow_projectors_in_checkpoints() -> None:
 def _maybe_layerwise(cfg: RunConfig, cls: type, groups: list[dict[str, Any]],
                      kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     if not layerwise(cfg):
-        return cls(groups, **kwargs)
+        optimizer = cls(groups, **kwargs)
+        optimizer.register_step_post_hook(compact_projectors)
+        return optimizer
     per_param = [cls([{**group, "params": [p], "param_names": [n]}], **kwargs)
                  for group in groups for n, p in zip(group["param_names"], group["params"], strict=True)]
+    for optimizer in per_param:
+        optimizer.register_step_post_hook(compact_projectors)
     return LayerwiseOptimizer(per_param)
+
+
+def compact_projectors(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """The SVD projectors keep their rank-r matrix as a slice of the whole SVD factor, which keeps the factor alive
+    (36x the slice for a 576 x 576 factor at rank 16); after each step, keep a copy of the slice alone (the same
+    values)."""
+    for state in optimizer.state.values():
+        projector = state.get("projector")
+        matrix = getattr(projector, "ortho_matrix", None)
+        if isinstance(matrix, list):  # proj_type full: two matrices
+            projector.ortho_matrix = [_alone(m) for m in matrix]
+        elif isinstance(matrix, torch.Tensor):
+            projector.ortho_matrix = _alone(matrix)
+
+
+def _alone(tensor: torch.Tensor) -> torch.Tensor:
+    shares = tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    return tensor.clone(memory_format=torch.contiguous_format) if shares else tensor
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
