@@ -42,8 +42,8 @@ def test_the_schedule_table_is_transformers_own():
 
 
 @pytest.mark.parametrize(("name", "reason"), [
-    ("galore_adamw", "not supported by tuneforge yet (GaLore"),
-    ("apollo_adamw_layerwise", "not supported by tuneforge yet (APOLLO"),
+    ("galore_adamw_8bit", "use_galore: true with optim: adamw_8bit"),
+    ("apollo_adamw_layerwise", "use_apollo: true, apollo_layerwise: true with optim: adamw_torch"),
     ("lomo", "not supported by tuneforge yet"),
     ("schedule_free_adamw", "not supported by tuneforge yet (schedule-free"),
     ("adamw_torch_xla", "is for TPUs"),

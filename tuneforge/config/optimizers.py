@@ -78,6 +78,15 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
 OPTIMIZER_CHOICES = tuple(OPTIMIZERS)
 
 _NOT_YET = "is not supported by tuneforge yet"
+
+
+def _low_rank_name(name: str, method: str) -> str:
+    """Where transformers' galore_* / apollo_* optim names went: LlamaFactory's keys, with the plain base optim."""
+    base = name.removeprefix(f"{method}_").removesuffix("_layerwise")
+    base = {"adamw": "adamw_torch"}.get(base, base)
+    layerwise = f", {method}_layerwise: true" if name.endswith("_layerwise") else ""
+    return (f"is transformers' name; tuneforge spells it as LlamaFactory does: use_{method}: true{layerwise} with "
+            f"optim: {base} ({method}_target picks the layers, as transformers' optim_target_modules)")
 # transformers' other optimizer names -> why tuneforge does not build them
 REFUSED: dict[str, str] = {
     "adamw_torch_xla": "is for TPUs (torch_xla); tuneforge runs on CUDA or the CPU: use adamw_torch",
@@ -85,11 +94,11 @@ REFUSED: dict[str, str] = {
                              "adamw_torch_fused",
     "adamw_anyprecision": "needs torchdistx, which is no longer maintained nor built for current torch: use "
                           "adamw_torch, or adamw_torch_8bit / adamw_8bit for low-memory states",
-    **{name: f"{_NOT_YET} (GaLore's low-rank projection); use adamw_torch, or adamw_8bit for low-memory states"
-       for name in ("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
-                    "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise")},
-    **{name: f"{_NOT_YET} (APOLLO's low-rank projection); use adamw_torch, or adamw_8bit for low-memory states"
-       for name in ("apollo_adamw", "apollo_adamw_layerwise")},
+    # transformers' GaLore / APOLLO names: tuneforge spells them as LlamaFactory does (use_galore / use_apollo keys)
+    **{name: _low_rank_name(name, "galore") for name in ("galore_adamw", "galore_adamw_8bit", "galore_adafactor",
+                                                          "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+                                                          "galore_adafactor_layerwise")},
+    **{name: _low_rank_name(name, "apollo") for name in ("apollo_adamw", "apollo_adamw_layerwise")},
     "lomo": f"{_NOT_YET} (LOMO fuses the update into the backward pass); use adamw_torch or sgd",
     "adalomo": f"{_NOT_YET} (AdaLomo fuses the update into the backward pass); use adamw_torch or adafactor",
     "grokadamw": f"{_NOT_YET}; use adamw_torch",

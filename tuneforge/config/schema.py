@@ -230,6 +230,8 @@ class TrainArgs:
     fp8_backend: str = opt("auto", choices=("auto", "torchao"), refused={"te": FP8_OTHER, "msamp": FP8_OTHER},
                            help="fp8 implementation: auto = torchao")
     fp8_enable_fsdp_float8_all_gather: bool = opt(False, help="fp8 under fsdp: all-gather the weights in float8")
+    pure_bf16: bool = opt(False, help="train in bfloat16 throughout: weights, gradients and optimizer states in bf16, "
+                                      "no fp32 master copy (half the memory of bf16 mixed precision's weights)")
     seed: int = opt(42, help="random seed")
     data_seed: int | None = opt(help="seed of the training data's order (default: seed)")
     disable_shuffling: bool = opt(False, help="train on the rows in dataset order, every epoch")
@@ -268,6 +270,53 @@ class TrainArgs:
     compute_accuracy: bool = opt(False, help="pt / sft evaluations also report accuracy: the share of each sample's "
                                               "answer tokens that are the model's most likely token, over samples")
     predict_with_generate: bool = opt(False, help="eval: generate answers and score them (BLEU-4, ROUGE)")
+
+
+GALORE_PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
+BADAM_SWITCH_MODES = ("ascending", "descending", "random", "fixed")
+
+
+@dataclass
+class MemoryArgs:
+    """Memory-efficient optimizers for full tuning (LlamaFactory's keys; tuneforge/train/low_memory_optim.py builds
+    them, tuneforge/config/low_memory.py checks them): at most one of GaLore, APOLLO, BAdam, Adam-mini, Muon."""
+
+    use_galore: bool = opt(False, help="GaLore: Adam states of the target matrices in a low-rank projection of "
+                                       "their gradients (galore-torch; pip install 'tuneforge[low-memory]')")
+    galore_target: list[str] = opt(["all"], help="GaLore: the linear layers projected (all: every one but the head)")
+    galore_rank: int = opt(16, help="GaLore: rank of the gradient projection")
+    galore_update_interval: int = opt(200, help="GaLore: steps between recomputing the projection (an SVD)")
+    galore_scale: float = opt(2.0, help="GaLore: scale of the projected-back update")
+    galore_proj_type: str = opt("std", choices=GALORE_PROJ_TYPES, help="GaLore: which side(s) are projected")
+    galore_layerwise: bool = opt(False, help="GaLore: step each weight during the backward, as its gradient is "
+                                             "ready, and free it (one process, no accumulation, no clipping)")
+    use_apollo: bool = opt(False, help="APOLLO: AdamW with low-rank auxiliary states that only scale the raw gradient "
+                                       "(apollo-torch; pip install 'tuneforge[low-memory]')")
+    apollo_target: list[str] = opt(["all"], help="APOLLO: the linear layers projected (all: every one but the head)")
+    apollo_rank: int = opt(16, help="APOLLO: rank of the auxiliary projection")
+    apollo_update_interval: int = opt(200, help="APOLLO: steps between new projections")
+    apollo_scale: float = opt(32.0, help="APOLLO: scale of the gradient scaling factor")
+    apollo_proj: str = opt("random", choices=("svd", "random"), help="APOLLO: random projection or SVD")
+    apollo_proj_type: str = opt("std", choices=("std", "right", "left"), help="APOLLO: which side is projected")
+    apollo_scale_type: str = opt("channel", choices=("channel", "tensor"), help="APOLLO: per-channel or per-tensor "
+                                                                              "scaling")
+    apollo_layerwise: bool = opt(False, help="APOLLO: step each weight during the backward (as galore_layerwise)")
+    apollo_scale_front: bool = opt(False, help="APOLLO: apply the norm-growth limiter before scaling")
+    use_badam: bool = opt(False, help="BAdam: block coordinate descent, Adam on one block of layers at a time "
+                                      "(badam; pip install 'tuneforge[low-memory]')")
+    badam_mode: str = opt("layer", choices=("layer", "ratio"), help="BAdam: one decoder layer at a time (layer) or a "
+                                                                   "share of every matrix's entries (ratio)")
+    badam_start_block: int | None = opt(help="BAdam layer: the block trained first (default: by badam_switch_mode)")
+    badam_switch_mode: str = opt("ascending", choices=BADAM_SWITCH_MODES, help="BAdam layer: order of the blocks")
+    badam_switch_interval: int = opt(50, help="BAdam layer: steps before switching to the next block (-1: never)")
+    badam_update_ratio: float = opt(0.05, help="BAdam ratio: share of each matrix's entries updated")
+    badam_mask_mode: str = opt("adjacent", choices=("adjacent", "scatter"), help="BAdam ratio: adjacent or "
+                                                                                "scattered entries")
+    badam_verbose: int = opt(0, choices=(0, 1, 2), help="BAdam: 1 prints each active block, 2 its parameters too")
+    use_adam_mini: bool = opt(False, help="Adam-mini: one second-moment value per block (head, neuron) instead of "
+                                          "per weight (adam-mini; pip install 'tuneforge[low-memory]')")
+    use_muon: bool = opt(False, help="Muon (torch.optim.Muon) for the 2-D hidden matrices, AdamW for embeddings, "
+                                     "head, norms and biases")
 
 
 @dataclass
@@ -438,7 +487,7 @@ class RayArgs:
 GROUPS = {
     "model": ModelArgs, "method": MethodArgs, "data": DataArgs, "train": TrainArgs,
     "rl": RLArgs, "generate": GenerateArgs, "export": ExportArgs, "eval": EvalArgs, "ray": RayArgs,
-    "hub": HubArgs, "tracking": TrackingArgs,
+    "hub": HubArgs, "tracking": TrackingArgs, "memory": MemoryArgs,
 }
 
 
@@ -455,6 +504,7 @@ class RunConfig:
     ray: RayArgs = field(default_factory=RayArgs)
     hub: HubArgs = field(default_factory=HubArgs)
     tracking: TrackingArgs = field(default_factory=TrackingArgs)
+    memory: MemoryArgs = field(default_factory=MemoryArgs)
     source: str = "<overrides>"  # the file the config came from, for messages
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, deepspeed_settings
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
 from tuneforge.config.kernels import check_kernels
+from tuneforge.config.low_memory import check_low_memory
 from tuneforge.config.optimizers import OPTIMIZERS, check_optimizer
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.rl import check_rl
@@ -183,6 +184,8 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     check_scheduler(cfg, fail)
     check_optimizer(cfg, fail)
     check_kernels(cfg, fail, for_training)  # torch_compile, tf32, liger-kernel, fp8: what they need
+    if for_training and t.do_train:
+        check_low_memory(cfg, fail)
 
     _check_ray(cfg, fail)
     if d.streaming and for_training and t.do_train:

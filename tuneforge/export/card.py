@@ -168,7 +168,7 @@ def hyperparameters(cfg: RunConfig, processes: int = 1) -> dict[str, Any]:
     out.update(per_device_train_batch_size=t.per_device_train_batch_size,
                gradient_accumulation_steps=t.gradient_accumulation_steps, processes=processes, total_batch_size=batch,
                optim=t.optim, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-               precision="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32", seed=t.seed, cutoff_len=d.cutoff_len)
+               precision="pure bf16" if t.pure_bf16 else "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32", seed=t.seed, cutoff_len=d.cutoff_len)
     if d.packing:
         out["packing"] = True
     if m.template:

@@ -74,8 +74,8 @@ def _ready_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path) -> PreTrain
 
 
 def compute_dtype(train_args: TrainArgs) -> torch.dtype:
-    """bf16 / fp16 when mixed precision is on, else fp32."""
-    if train_args.bf16:
+    """bf16 / fp16 when mixed precision (or pure_bf16) is on, else fp32."""
+    if train_args.bf16 or train_args.pure_bf16:
         return torch.bfloat16
     if train_args.fp16:
         return torch.float16
@@ -123,8 +123,10 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     config = load_config(path, m)
     saved = check_prequantized(config, path, method.finetuning_type, m.quantization_bit, device)
     run_dtype = compute_dtype(cfg.train)
-    # full fine-tuning trains (and so keeps in fp32) every weight: load it in fp32 directly
-    load_dtype = torch.float32 if method.finetuning_type == "full" else run_dtype
+    # full fine-tuning trains (and so keeps in fp32) every weight: load it in fp32 directly; but pure_bf16 trains
+    # the bf16 weights themselves, and BAdam keeps its own fp32 copy of the one block it trains (as LlamaFactory)
+    half_weights = cfg.train.pure_bf16 or cfg.memory.use_badam
+    load_dtype = torch.float32 if method.finetuning_type == "full" and not half_weights else run_dtype
     quant = quantization_config(m, run_dtype)
     set_tf32(cfg.train.tf32, device)
     check_liger(config, cfg)
@@ -137,13 +139,14 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = apply_finetuning(model, cfg)
-    upcast_trainable_params(model)
+    if not half_weights:
+        upcast_trainable_params(model)
     compile_layers(model, cfg.train)
     model.train()
     logger.info(
-        "loaded %s: dtype %s (trainable params fp32), attention %s, quantization %s, finetuning %s, "
+        "loaded %s: dtype %s (trainable params %s), attention %s, quantization %s, finetuning %s, "
         "gradient checkpointing %s, device %s",
-        path, str(load_dtype).removeprefix("torch."), attention.describe(model.config._attn_implementation),
+        path, str(load_dtype).removeprefix("torch."), "as loaded" if half_weights else "fp32", attention.describe(model.config._attn_implementation),
         f"{saved} (saved so)" if saved else _describe_quant(m), method.finetuning_type, "off" if m.disable_gradient_checkpointing else "on", device,
     )
     logger.info("%s", describe_trainable(model))

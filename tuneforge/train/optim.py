@@ -99,7 +99,13 @@ def optimizer_class_and_kwargs(cfg: RunConfig) -> tuple[type[torch.optim.Optimiz
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """cfg's optim over param_groups(model, cfg): each group keeps its own learning rate and weight decay."""
+    """cfg's optim over param_groups(model, cfg): each group keeps its own learning rate and weight decay; or the
+    memory-efficient optimizer a use_* key asks for (train/low_memory_optim.py)."""
+    from tuneforge.train.low_memory_optim import build_low_memory_optimizer  # it builds on this module
+
+    low_memory = build_low_memory_optimizer(model, cfg)
+    if low_memory is not None:
+        return low_memory
     groups = param_groups(model, cfg)
     for g in groups:
         logger.debug(

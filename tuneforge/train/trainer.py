@@ -301,7 +301,7 @@ class Trainer:
         self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
         if t.fp16 and self.device.type != "cuda":
             logger.warning("fp16 on %s runs without loss scaling; bf16 is the safer choice", self.device.type)
-        if t.bf16 and self.device.type == "cpu" and not cpu_has_native_bf16():
+        if (t.bf16 or t.pure_bf16) and self.device.type == "cpu" and not cpu_has_native_bf16():
             logger.warning(
                 "bf16 on this CPU (%s, without avx512_bf16 / AMX) is emulated: its matrix products can be "
                 "many times slower than fp32; set bf16: false to train in fp32 here",
