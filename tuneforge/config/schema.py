@@ -55,6 +55,11 @@ class ModelArgs:
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
     disable_gradient_checkpointing: bool = opt(False, help="gradient checkpointing is on by default")
+    # long context
+    rope_scaling: str | None = opt(None, choices=(None, "linear", "dynamic", "yarn", "llama3"),
+                                   help="stretch RoPE to model_max_length: linear, dynamic (NTK), yarn or llama3")
+    model_max_length: int | None = opt(help="the context length rope_scaling stretches the model to "
+                                            "(default: cutoff_len)")
     quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="QLoRA: load the base in 4 or 8 bit")
     quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")
     double_quantization: bool = opt(True, help="4-bit: quantize the quantization constants too")
