@@ -213,6 +213,8 @@ class TrainArgs:
                                           "(each needs its package: pip install 'tuneforge[tracking]')")
     disable_tqdm: bool = opt(False, help="no progress bar")
     ddp_timeout: int = opt(1800, help="seconds a collective of the training processes may wait")
+    sequence_parallel_size: int = opt(1, help="split each sequence over this many processes (DeepSpeed-Ulysses "
+                                              "attention); data-parallel degree = processes / this")
     data_wait_timeout: int = opt(86400, help="seconds the other processes wait while the main one tokenizes")
     fsdp: bool | list[str] | None = opt(
         None, help="FSDP2: true, or full_shard / shard_grad_op / hybrid_shard / hybrid_shard_zero2 (+ offload, auto_wrap)"
