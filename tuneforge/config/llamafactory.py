@@ -70,7 +70,6 @@ NOT_YET: dict[str, Any] = {
     'add_tokens': None,
     'add_special_tokens': None,
     'new_special_tokens_config': None,
-    'shift_attn': False,
     'mixture_of_depths': None,
     'use_unsloth': False,
     'use_unsloth_gc': False,

@@ -60,6 +60,8 @@ class ModelArgs:
                                    help="stretch RoPE to model_max_length: linear, dynamic (NTK), yarn or llama3")
     model_max_length: int | None = opt(help="the context length rope_scaling stretches the model to "
                                             "(default: cutoff_len)")
+    shift_attn: bool = opt(False, help="LongLoRA's shifted sparse attention (S²-Attn) in training: groups of a "
+                                       "quarter of each sequence (pt / sft, padding-free)")
     quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="QLoRA: load the base in 4 or 8 bit")
     quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")
     double_quantization: bool = opt(True, help="4-bit: quantize the quantization constants too")

@@ -101,7 +101,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
         deepspeed_settings(cfg)
     _check_fsdp(cfg, fail, for_training)
-    _check_sequence_parallel(cfg, fail)
+    _check_long_context(cfg, fail)
 
     # data
     if for_training and t.do_train and not d.dataset and not d.tokenized_path:
@@ -317,8 +317,18 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
              "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false", key="fsdp")
 
 
-def _check_sequence_parallel(cfg: RunConfig, fail) -> None:
-    """What sequence parallelism (train/sequence_parallel.py) supports, said before anything loads."""
+def _check_long_context(cfg: RunConfig, fail) -> None:
+    """What shift_attn (model/shifted_attention.py) and sequence parallelism (train/sequence_parallel.py) support,
+    said before anything loads."""
+    if cfg.model.shift_attn:
+        if cfg.method.stage not in ("pt", "sft"):
+            fail(f"shift_attn trains stages pt and sft (plain sequences), not {cfg.method.stage}", key="shift_attn")
+        if not cfg.data.padding_free or cfg.model.flash_attn not in ("auto", "sdpa"):
+            fail("shift_attn runs on padding-free rows with sdpa: set padding_free: true and flash_attn: auto",
+                 key=("shift_attn", "padding_free", "flash_attn"))
+        if cfg.train.sequence_parallel_size > 1:
+            fail("shift_attn and sequence_parallel_size > 1 cannot be combined (each replaces the attention); choose "
+                 "one", key=("shift_attn", "sequence_parallel_size"))
     size = cfg.train.sequence_parallel_size
     if size < 1:
         fail(f"sequence_parallel_size must be >= 1 (got {size})", key="sequence_parallel_size")

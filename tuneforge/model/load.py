@@ -17,6 +17,7 @@ from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_wr
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
 from tuneforge.model.rope import apply_rope_scaling
+from tuneforge.model.shifted_attention import use_shifted_sparse_attention
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -129,6 +130,8 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
     _use_packed_sdpa(model, cfg)
+    if m.shift_attn:
+        _use_shift_attn(model)
     if quant is not None or saved is not None:
         _prepare_quantized(model)
     if not m.disable_gradient_checkpointing:
@@ -212,6 +215,17 @@ def _use_packed_sdpa(model: PreTrainedModel, cfg: RunConfig) -> None:
     if cfg.data.padding_free and model.config._attn_implementation == "sdpa" and attention.supports_padding_free(model):
         attention.register()
         model.set_attn_implementation(attention.PACKED_SDPA)
+
+
+def _use_shift_attn(model: PreTrainedModel) -> None:
+    """shift_attn: LongLoRA's S²-Attn in training, on the padding-free sdpa path."""
+    if model.config._attn_implementation != attention.PACKED_SDPA:
+        raise ConfigError(f"shift_attn: {type(model).__name__} does not run the padding-free sdpa attention that "
+                          f"S²-Attn replaces (it needs padding_free: true, flash_attn: auto or sdpa, and a model on "
+                          f"transformers' attention interface)", key="shift_attn")
+    use_shifted_sparse_attention(model)
+    logger.info("shift_attn: LongLoRA's shifted sparse attention in training (groups of 1/4 of each sequence); "
+                "full attention in evaluation and inference")
 
 
 def load_config(path: Path, model_args: ModelArgs) -> PretrainedConfig:
