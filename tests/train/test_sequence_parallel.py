@@ -61,6 +61,9 @@ def _worker(rank: int, port: int, model_dir: str, head: str) -> None:
         expected_loss = float(objective(model, batch).loss_sum.detach()) / units
         expected = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
+        prompt = batch.model_inputs["input_ids"][:, :7]
+        with torch.no_grad():
+            plain = model(input_ids=prompt).logits
 
         group = sequence_parallel.setup(cfg, model)
         assert (group.size, group.rank, group.data_rank, group.data_ranks) == (2, rank, 0, 1)
@@ -80,6 +83,8 @@ def _worker(rank: int, port: int, model_dir: str, head: str) -> None:
             evaluated = objective(model, local).loss_sum
         dist.all_reduce(evaluated)
         assert abs(float(evaluated) / units - expected_loss) < 1e-5
+        with torch.no_grad():  # a call that is no shard (generation, --ask) attends over its own whole sequence
+            torch.testing.assert_close(model(input_ids=prompt).logits, plain)
     finally:
         dist.destroy_process_group()
 
@@ -123,3 +128,14 @@ def test_what_sequence_parallelism_does_not_run_is_refused_before_loading(tiny_m
         from_dict({"model_name_or_path": str(tiny_model_dir), "sequence_parallel_size": 2, **keys},
                   for_training=False)
     assert "sequence_parallel_size" in str(e.value.key)
+
+
+def test_a_process_count_the_groups_cannot_divide_is_refused_before_loading(tiny_model_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("FORCE_TORCHRUN", "1")
+    monkeypatch.setenv("NPROC_PER_NODE", "3")
+    keys = {"model_name_or_path": str(tiny_model_dir), "sequence_parallel_size": 2, "dataset": "identity",
+            "output_dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match="starts 3 process.*NPROC_PER_NODE=2"):
+        from_dict(keys)
+    monkeypatch.setenv("NPROC_PER_NODE", "4")
+    assert from_dict(keys).train.sequence_parallel_size == 2

@@ -101,7 +101,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
         deepspeed_settings(cfg)
     _check_fsdp(cfg, fail, for_training)
-    _check_long_context(cfg, fail)
+    _check_long_context(cfg, fail, for_training)
 
     # data
     if for_training and t.do_train and not d.dataset and not d.tokenized_path:
@@ -317,7 +317,7 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
              "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false", key="fsdp")
 
 
-def _check_long_context(cfg: RunConfig, fail) -> None:
+def _check_long_context(cfg: RunConfig, fail, for_training: bool) -> None:
     """What shift_attn (model/shifted_attention.py) and sequence parallelism (train/sequence_parallel.py) support,
     said before anything loads."""
     if cfg.model.shift_attn:
@@ -345,6 +345,10 @@ def _check_long_context(cfg: RunConfig, fail) -> None:
         why = "its attention is the padding-free sdpa: set flash_attn: auto or sdpa"
     elif cfg.train.compute_accuracy:
         why = "compute_accuracy scores whole samples, which the shards split: set compute_accuracy: false"
+    processes = planned_processes(cfg) if for_training and cfg.train.do_train else None
+    if not why and processes is not None and processes % size:
+        why = (f"this run starts {processes} process(es), which sequence groups of {size} cannot divide; start a "
+               f"multiple of {size} (FORCE_TORCHRUN=1 NPROC_PER_NODE={size})")
     if why:
         fail(f"sequence_parallel_size {size}: {why}", key="sequence_parallel_size")
 

@@ -166,8 +166,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any) -
 
 def ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """query / key / value: (1, heads, shard, head_dim) -> attention output (1, shard, heads, head_dim)."""
-    if kwargs.get("cu_seq_lens_q") is None:
-        raise RuntimeError("sequence-parallel attention runs on padding-free rows (cu_seq_lens_q missing)")
+    if kwargs.get("cu_seq_lens_q") is None:  # not a shard (generation: each rank holds its whole sequence)
+        return attention.packed_sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     whole = [_AllToAll.apply(x, 1, 2, _group) for x in (query, key, value)]  # heads scattered, sequence gathered
     out, _ = attention.packed_sdpa_attention_forward(module, *whole, None, **kwargs)  # (1, sequence, heads/n, d)
     return _AllToAll.apply(out, 1, 2, _group), None  # sequence scattered, heads gathered
