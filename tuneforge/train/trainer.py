@@ -22,6 +22,10 @@ requests) fall between rollouts (a checkpoint due inside one is written at its e
 exactly what the uninterrupted one did; an objective's own running state (`state_dict` / `load_state_dict`:
 ppo's adaptive KL coefficient and score statistics) is saved in trainer_state.json.
 
+With sequence_parallel_size > 1 (train/sequence_parallel.py), the ranks of a sequence group read the same rows
+and each collated batch is cut to this rank's shard of the sequence; its units are the shard's, so the sums over
+ranks stay the batch's.
+
 How it runs on one or many processes is the Strategy's business (train/strategy.py); the run hooks (progress,
 trainer_log.jsonl, reporters, plots, stop requests) are callbacks (train/callbacks.py). A stop request (SIGINT /
 SIGTERM, output_dir/STOP) ends the run after the current optimizer step with a checkpoint, status "stopped".
