@@ -130,3 +130,15 @@ def test_two_processes_stream_their_shares_of_the_data(tmp_path, tiny_model_dir)
     two = tmp_path / "two"
     train("examples/sft_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2", *keys, processes=2)
     assert_same_run(one, two, ("loss", "grad_norm"))
+
+
+def test_sequence_parallel_over_two_processes_trains_what_one_process_trains(tmp_path, tiny_model_dir):
+    """sequence_parallel_size 2: both processes read the same rows, each runs half of every sequence; the losses,
+    gradient norms and weights are one process's on the whole sequences."""
+    one = tmp_path / "one"
+    train("examples/sft_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4")
+    two = tmp_path / "two"
+    r = train("examples/sft_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=4",
+              "sequence_parallel_size=2", processes=2)
+    assert "sequence parallel: 2 ranks per sequence" in r.stderr + r.stdout
+    assert_same_run(one, two, ("loss", "grad_norm"))

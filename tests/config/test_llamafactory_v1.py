@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tuneforge.config import llamafactory_v1, load
+from tuneforge.config import from_dict, llamafactory_v1, load
 from tuneforge.config.loader import build
 from tuneforge.errors import ConfigError
 
@@ -97,7 +97,7 @@ REFUSED = {
     "train_full_qwen3_moe_fsdpturbo_ep_fsdp": ({"dist_config": {"name": "fsdpturbo", "ep_size": 16}, "cp_size": 1,
                                                 "init_config": {"name": "init_on_meta"}},
                                                "'dist_config.name' = 'fsdpturbo'"),
-    "train_full_ulysses_cp": ({"cp_mode": "ulysses", "cp_size": 2, "trust_remote_code": True}, "'cp_size' = 2"),
+    "train_full_ulysses_cp": ({"cp_mode": "ring", "cp_size": 2}, "'cp_mode' = 'ring'"),
 }
 
 
@@ -172,6 +172,17 @@ def test_v1_defaults_that_differ_from_ours_and_key_clashes():
     # a v1 key at its v1 default is accepted even where tuneforge has no equivalent
     assert "cp_size" not in llamafactory_v1.flatten({"model": "a", "cp_size": 1, "dp_size": None,
                                                      "save_ckpt_as_hf": False}, "f")
+
+
+def test_v1_context_parallelism_is_sequence_parallel_size():
+    flat = llamafactory_v1.flatten({"model": "a", "cp_mode": "ulysses", "cp_size": 2}, "f")
+    assert flat["sequence_parallel_size"] == 2 and "cp_mode" not in flat
+    # LlamaFactory's own example: Ulysses under FSDP2 with v1's default (padded) batching
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2: it splits padding-free rows"):
+        from_dict(llamafactory_v1.flatten({"model": "a", "cp_size": 2, "dist_config": FSDP2}, "f"), for_training=False)
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2: .* not yet with deepspeed or fsdp"):
+        from_dict(llamafactory_v1.flatten({"model": "a", "cp_size": 2, "dist_config": FSDP2,
+                                           "batching_strategy": "padding_free"}, "f"), for_training=False)
 
 
 def test_no_llamafactory_v0_key_makes_a_file_look_like_v1():

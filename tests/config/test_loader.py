@@ -58,8 +58,8 @@ def test_llamafactory_keys_that_change_nothing_are_accepted(tmp_path):
 
 
 def test_llamafactory_key_not_supported_yet_is_an_error():
-    with pytest.raises(ConfigError, match="LlamaFactory key 'rope_scaling' is not supported by tuneforge yet"):
-        from_dict({**BASE, "rope_scaling": "linear"})
+    with pytest.raises(ConfigError, match="LlamaFactory key 'use_kt' is not supported by tuneforge yet"):
+        from_dict({**BASE, "use_kt": True})
 
 
 @pytest.mark.parametrize(

@@ -151,8 +151,9 @@ TOP: dict[str, Rule] = {
     "enable_activation_checkpointing": to("disable_gradient_checkpointing", lambda v: not v, "negated"),
     "dist_timeout": to("ddp_timeout"),
     "dp_size": only(None, "tuneforge's data-parallel size is the number of processes; remove dp_size"),
-    "cp_size": only(1, "context parallelism (sequence sharding) is not in tuneforge; remove cp_size or set it to 1"),
-    "cp_mode": ignored("context parallelism is off (cp_size 1)"),
+    "cp_size": to("sequence_parallel_size"),
+    "cp_mode": choose("sequence_parallel_size", {"ulysses": _UNSET}, "tuneforge's sequence parallelism is "
+                      "Ulysses (all-to-all attention): set cp_mode: ulysses"),
     "mp_replicate_size": only(1, "for replicated shards use fsdp: hybrid_shard; remove mp_replicate_size"),
     "mp_shard_size": only(None, "FSDP shards over all processes (or each node's with fsdp: hybrid_shard); remove "
                                 "mp_shard_size"),

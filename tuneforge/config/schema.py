@@ -76,6 +76,13 @@ class ModelArgs:
     use_unsloth_gc: bool = opt(False, choices=(False,), refused={True: UNSLOTH_GC}, help="not supported: " + UNSLOTH_GC)
     mixture_of_depths: str | None = opt(None, choices=(None,), refused={"convert": MOD, "load": MOD},
                                         help="not supported: " + MOD)
+    # long context
+    rope_scaling: str | None = opt(None, choices=(None, "linear", "dynamic", "yarn", "llama3"),
+                                   help="stretch RoPE to model_max_length: linear, dynamic (NTK), yarn or llama3")
+    model_max_length: int | None = opt(help="the context length rope_scaling stretches the model to "
+                                            "(default: cutoff_len)")
+    shift_attn: bool = opt(False, help="LongLoRA's shifted sparse attention (S²-Attn) in training: groups of a "
+                                       "quarter of each sequence (pt / sft, padding-free)")
     quantization_bit: int | None = opt(None, choices=(None, 4, 8), help="QLoRA: load the base in 4 or 8 bit")
     quantization_type: str = opt("nf4", choices=("nf4", "fp4"), help="4-bit data type")
     double_quantization: bool = opt(True, help="4-bit: quantize the quantization constants too")
@@ -256,6 +263,8 @@ class TrainArgs:
                                           "(each needs its package: pip install 'tuneforge[tracking]')")
     disable_tqdm: bool = opt(False, help="no progress bar")
     ddp_timeout: int = opt(1800, help="seconds a collective of the training processes may wait")
+    sequence_parallel_size: int = opt(1, help="split each sequence over this many processes (DeepSpeed-Ulysses "
+                                              "attention); data-parallel degree = processes / this")
     data_wait_timeout: int = opt(86400, help="seconds the other processes wait while the main one tokenizes")
     fsdp: bool | list[str] | None = opt(
         None, help="FSDP2: true, or full_shard / shard_grad_op / hybrid_shard / hybrid_shard_zero2 (+ offload, auto_wrap)"

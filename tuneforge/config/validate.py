@@ -113,6 +113,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it
         deepspeed_settings(cfg)
     _check_fsdp(cfg, fail, for_training)
+    _check_long_context(cfg, fail, for_training)
 
     # data
     if for_training and t.do_train and not d.dataset and not d.tokenized_path:
@@ -353,6 +354,42 @@ def _check_fsdp(cfg: RunConfig, fail, for_training: bool) -> None:
     if for_training and t.do_train and planned_processes(cfg) == 1:
         fail("fsdp shards the model over several processes, but this run starts one; start several "
              "(FORCE_TORCHRUN=1 NPROC_PER_NODE=2, several GPUs, or ray_num_workers: 2 with Ray) or set fsdp: false", key="fsdp")
+
+
+def _check_long_context(cfg: RunConfig, fail, for_training: bool) -> None:
+    """What shift_attn (model/shifted_attention.py) and sequence parallelism (train/sequence_parallel.py) support,
+    said before anything loads."""
+    if cfg.model.shift_attn:
+        if cfg.method.stage not in ("pt", "sft"):
+            fail(f"shift_attn trains stages pt and sft (plain sequences), not {cfg.method.stage}", key="shift_attn")
+        if not cfg.data.padding_free or cfg.model.flash_attn not in ("auto", "sdpa"):
+            fail("shift_attn runs on padding-free rows with sdpa: set padding_free: true and flash_attn: auto",
+                 key=("shift_attn", "padding_free", "flash_attn"))
+        if cfg.train.sequence_parallel_size > 1:
+            fail("shift_attn and sequence_parallel_size > 1 cannot be combined (each replaces the attention); choose "
+                 "one", key=("shift_attn", "sequence_parallel_size"))
+    size = cfg.train.sequence_parallel_size
+    if size < 1:
+        fail(f"sequence_parallel_size must be >= 1 (got {size})", key="sequence_parallel_size")
+    if size == 1:
+        return
+    why = None
+    if cfg.method.stage not in ("pt", "sft"):
+        why = f"stage {cfg.method.stage}: it runs the lm objective of stages pt and sft"
+    elif not cfg.data.padding_free:
+        why = "it splits padding-free rows: set padding_free: true"
+    elif cfg.train.deepspeed or cfg.train.fsdp:
+        why = "it runs under DDP here, not yet with deepspeed or fsdp: remove them"
+    elif cfg.model.flash_attn not in ("auto", "sdpa"):
+        why = "its attention is the padding-free sdpa: set flash_attn: auto or sdpa"
+    elif cfg.train.compute_accuracy:
+        why = "compute_accuracy scores whole samples, which the shards split: set compute_accuracy: false"
+    processes = planned_processes(cfg) if for_training and cfg.train.do_train else None
+    if not why and processes is not None and processes % size:
+        why = (f"this run starts {processes} process(es), which sequence groups of {size} cannot divide; start a "
+               f"multiple of {size} (FORCE_TORCHRUN=1 NPROC_PER_NODE={size})")
+    if why:
+        fail(f"sequence_parallel_size {size}: {why}", key="sequence_parallel_size")
 
 
 def _check_checkpoint_kind(cfg: RunConfig, folder: Path, fail) -> None:

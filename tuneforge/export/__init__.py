@@ -103,7 +103,7 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
     from tuneforge.export.turns import derive_turns
     from tuneforge.infer.generation import chat_template, end_of_turn
     from tuneforge.model.inference import load_inference_model
-    from tuneforge.model.load import load_config, load_model_processor, load_tokenizer
+    from tuneforge.model.load import load_model_processor, load_tokenizer, model_config
 
     e = cfg.export
     if cfg.model.quantization_bit is not None:
@@ -121,7 +121,7 @@ def export_model(cfg: RunConfig) -> dict[str, Any]:
             raise ConfigError(f"{cfg.source}: export_format gguf writes text models; a vision-language model's GGUF "
                               f"is the language model plus a projector file (mmproj): export safetensors and "
                               f"convert that folder with llama.cpp's convert_hf_to_gguf.py (--mmproj)")
-        check_gguf_support(load_config(sources[0], cfg.model), cfg.source)
+        check_gguf_support(model_config(sources[0], cfg), cfg.source)  # the rope the export will carry
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(cfg.model)
     if e.export_format == "gguf":
         check_tokenizer(tokenizer, cfg.source)

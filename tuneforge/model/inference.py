@@ -23,6 +23,7 @@ from tuneforge.model.load import (
     _from_pretrained,
     default_device,
     load_config,
+    model_config,
     quantization_config,
     resolve_model_path,
 )
@@ -110,7 +111,7 @@ def load_inference_model(
         raise ConfigError(f"{where} has no {VALUE_HEAD_FILE}: point the config at the output folder of a stage rm "
                           f"run (adapter_name_or_path for lora / oft, model_name_or_path for full / freeze)")
     dtype = dtype or inference_dtype(cfg, device)
-    config = load_config(path, m)
+    config = model_config(path, cfg)  # rope_scaling: the base of an adapter gets the rope it was trained with
     saved = check_prequantized(config, path, device=device)
     quant = quantization_config(m, dtype) if saved is None else None
     if (quant is not None or saved is not None) and len(adapters) > 1:

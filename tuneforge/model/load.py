@@ -17,6 +17,8 @@ from tuneforge.model.kernels import check_liger, compile_layers, patch_model, se
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
+from tuneforge.model.rope import apply_rope_scaling
+from tuneforge.model.shifted_attention import use_shifted_sparse_attention
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -120,7 +122,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     path = resolve_model_path(m)
-    config = load_config(path, m)
+    config = model_config(path, cfg)
     saved = check_prequantized(config, path, method.finetuning_type, m.quantization_bit, device)
     run_dtype = compute_dtype(cfg.train)
     # full fine-tuning trains (and so keeps in fp32) every weight: load it in fp32 directly; but pure_bf16 trains
@@ -133,6 +135,8 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
     _use_packed_sdpa(model, cfg)
+    if m.shift_attn:
+        _use_shift_attn(model)
     patch_model(model, cfg)  # liger-kernel, fp8, upcast_layernorm, upcast_lmhead_output
     if quant is not None or saved is not None:
         _prepare_quantized(model)
@@ -170,7 +174,8 @@ def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTra
     path = resolve_model_path(m)
     dtype = compute_dtype(cfg.train)
     quant = quantization_config(m, dtype) if method.ref_model else None
-    model = _from_pretrained(path, load_config(path, m), m, dtype=dtype, quant=quant, device=device)
+    model = _from_pretrained(path, model_config(path, replace(cfg, model=m)), m, dtype=dtype, quant=quant,
+                             device=device)
     model.config.use_cache = False
     _use_packed_sdpa(model, cfg)
     for adapter in method.ref_model_adapters or []:
@@ -206,6 +211,8 @@ def reference_identity(cfg: RunConfig) -> dict[str, object]:
         if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()
     ]
     identity = {"files": files, "dtype": str(compute_dtype(cfg.train)), "padding_free": cfg.data.padding_free}
+    if m.rope_scaling:
+        identity["rope"] = [m.rope_scaling, context_length(cfg)]
     if method.ref_model and method.ref_model_quantization_bit:
         identity["quantization_bit"] = method.ref_model_quantization_bit
     return identity
@@ -218,6 +225,17 @@ def _use_packed_sdpa(model: PreTrainedModel, cfg: RunConfig) -> None:
         model.set_attn_implementation(attention.PACKED_SDPA)
 
 
+def _use_shift_attn(model: PreTrainedModel) -> None:
+    """shift_attn: LongLoRA's S²-Attn in training, on the padding-free sdpa path."""
+    if model.config._attn_implementation != attention.PACKED_SDPA:
+        raise ConfigError(f"shift_attn: {type(model).__name__} does not run the padding-free sdpa attention that "
+                          f"S²-Attn replaces (it needs padding_free: true, flash_attn: auto or sdpa, and a model on "
+                          f"transformers' attention interface)", key="shift_attn")
+    use_shifted_sparse_attention(model)
+    logger.info("shift_attn: LongLoRA's shifted sparse attention in training (groups of 1/4 of each sequence); "
+                "full attention in evaluation and inference")
+
+
 def load_config(path: Path, model_args: ModelArgs) -> PretrainedConfig:
     from transformers import AutoConfig
 
@@ -225,6 +243,18 @@ def load_config(path: Path, model_args: ModelArgs) -> PretrainedConfig:
         return AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
     except (ValueError, KeyError, OSError) as e:
         raise ModelError(_explain_load_error(path, e)) from None
+
+
+def context_length(cfg: RunConfig) -> int:
+    """model_max_length, by default cutoff_len: the length rope_scaling stretches the model to."""
+    return cfg.model.model_max_length or cfg.data.cutoff_len
+
+
+def model_config(path: Path, cfg: RunConfig) -> PretrainedConfig:
+    """The config the model of cfg is built with: its folder's, with rope_scaling applied."""
+    config = load_config(path, cfg.model)
+    apply_rope_scaling(config, cfg.model.rope_scaling, context_length(cfg))
+    return config
 
 
 def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.dtype, quant,

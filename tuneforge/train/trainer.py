@@ -22,6 +22,10 @@ requests) fall between rollouts (a checkpoint due inside one is written at its e
 exactly what the uninterrupted one did; an objective's own running state (`state_dict` / `load_state_dict`:
 ppo's adaptive KL coefficient and score statistics) is saved in trainer_state.json.
 
+With sequence_parallel_size > 1 (train/sequence_parallel.py), the ranks of a sequence group read the same rows
+and each collated batch is cut to this rank's shard of the sequence; its units are the shard's, so the sums over
+ranks stay the batch's.
+
 How it runs on one or many processes is the Strategy's business (train/strategy.py); the run hooks (progress,
 trainer_log.jsonl, reporters, plots, stop requests) are callbacks (train/callbacks.py). A stop request (SIGINT /
 SIGTERM, output_dir/STOP) ends the run after the current optimizer step with a checkpoint, status "stopped".
@@ -49,7 +53,7 @@ from tuneforge.config import RunConfig
 from tuneforge.config.schedules import SCHEDULES
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.train import callbacks as _callbacks
-from tuneforge.train import checkpoint, reporters
+from tuneforge.train import checkpoint, reporters, sequence_parallel
 from tuneforge.train.neftune import NEFTune
 from tuneforge.train.objectives import OBJECTIVES, Objective
 from tuneforge.train.optim import base_learning_rate, build_optimizer, build_scheduler, total_training_steps
@@ -287,6 +291,12 @@ class Trainer:
         self.output_dir = Path(t.output_dir or ".")
         self.rank, self.world_size = rank_and_world_size()
         self.is_main = self.rank == 0
+        # sequence parallelism: a sequence group's ranks read the same rows, each keeps one shard of every batch
+        self.sequence = sequence_parallel.setup(cfg, model)
+        self.data_rank, self.data_ranks = (self.rank, self.world_size) if self.sequence is None else (
+            self.sequence.data_rank, self.sequence.data_ranks)
+        if self.sequence is not None:
+            self.collator = lambda rows: self.sequence.shard(collator(rows))
         self.device = next(model.parameters()).device
         self.reporter_names = reporters.requested(cfg)  # a tracker that cannot run: refused before training
         if t.eval_strategy != "no" and eval_dataset is None:
@@ -295,8 +305,8 @@ class Trainer:
                 f"given; set val_size or eval_dataset"
             )
         num_rows = len(train_dataset) if train_dataset is not None else 0
-        padded_rows = math.ceil(num_rows / self.world_size) * self.world_size
-        self.micro_batches_per_epoch = math.ceil(padded_rows / (t.per_device_train_batch_size * self.world_size))
+        padded_rows = math.ceil(num_rows / self.data_ranks) * self.data_ranks
+        self.micro_batches_per_epoch = math.ceil(padded_rows / (t.per_device_train_batch_size * self.data_ranks))
         steps_per_epoch = math.ceil(self.micro_batches_per_epoch / t.gradient_accumulation_steps) * self.iterations
         self.total_steps = total_training_steps(cfg, max(steps_per_epoch, 1))
         if t.fp16 and self.device.type != "cuda":
@@ -481,7 +491,7 @@ class Trainer:
         # streamed rows come shuffled by their buffer, in the order they are read
         shuffle = not (t.disable_shuffling or getattr(self.train_dataset, "streamed", False))
         batches = epoch_micro_batches(len(self.train_dataset), size, t.seed if t.data_seed is None else t.data_seed,
-                                      epoch, self.rank, self.world_size, shuffle=shuffle)
+                                      epoch, self.data_rank, self.data_ranks, shuffle=shuffle)
         remaining = batches[self.state.batches_in_epoch :]
         ga = t.gradient_accumulation_steps
         for start in range(0, len(remaining), ga * self.buffer):
@@ -527,7 +537,7 @@ class Trainer:
     def _eval_sums(self, start: int, stop: int) -> dict[str, Any]:
         """The loss sum, units and metric sums of eval rows [start, stop), over all ranks."""
         size = self.cfg.train.per_device_eval_batch_size
-        batches = eval_batches(stop - start, size, self.rank, self.world_size, self.same_eval_count)
+        batches = eval_batches(stop - start, size, self.data_rank, self.data_ranks, self.same_eval_count)
         loss_sum, units, sums, counts = 0.0, 0, {}, {}
         for indices, counted in batches:
             batch = self.collator([self.eval_dataset[start + i] for i in indices])

@@ -49,6 +49,8 @@ def supervised_positions(batch: Batch) -> torch.Tensor:
     When samples share rows (packed or flat layouts), a position whose next token starts a new sample
     (position id 0) is never a target: no sample learns to predict the first token of another.
     """
+    if "next_labels" in batch.targets:  # a sequence-parallel shard: shifted on the whole row (sequence_parallel)
+        return batch.targets["next_labels"] != IGNORE_INDEX
     labels = batch.targets["labels"]
     next_supervised = labels[:, 1:] != IGNORE_INDEX
     if batch.layout.samples_share_rows:
@@ -62,6 +64,8 @@ def supervised_targets(batch: Batch) -> tuple[torch.Tensor | tuple[int, torch.Te
     if batch.layout.shared_prefix:  # one position may predict targets of two sequences: listed explicitly
         return (0, batch.targets["target_positions"]), batch.targets["target_ids"]
     keep = supervised_positions(batch)
+    if "next_labels" in batch.targets:
+        return keep, batch.targets["next_labels"][keep]
     return keep, batch.targets["labels"][:, 1:][keep[:, :-1]]
 
 
