@@ -122,6 +122,7 @@ def test_all_to_all_swaps_heads_for_sequence_and_back():
     ({"fsdp": True}, "not yet with deepspeed or fsdp"),
     ({"flash_attn": "eager"}, "set flash_attn: auto or sdpa"),
     ({"sequence_parallel_size": 0}, "must be >= 1"),
+    ({"neftune_noise_alpha": 5}, "drop neftune_noise_alpha"),
 ])
 def test_what_sequence_parallelism_does_not_run_is_refused_before_loading(tiny_model_dir, keys, message):
     with pytest.raises(ConfigError, match=message) as e:

@@ -384,6 +384,9 @@ def _check_long_context(cfg: RunConfig, fail, for_training: bool) -> None:
         why = "its attention is the padding-free sdpa: set flash_attn: auto or sdpa"
     elif cfg.train.compute_accuracy:
         why = "compute_accuracy scores whole samples, which the shards split: set compute_accuracy: false"
+    elif cfg.train.neftune_noise_alpha:
+        why = "NEFTune scales its noise by each sample's length, which a shard does not see whole: drop " \
+              "neftune_noise_alpha"
     processes = planned_processes(cfg) if for_training and cfg.train.do_train else None
     if not why and processes is not None and processes % size:
         why = (f"this run starts {processes} process(es), which sequence groups of {size} cannot divide; start a "
