@@ -65,11 +65,7 @@ IGNORED: dict[str, str] = {
 # key -> LlamaFactory's default: the value at which the key changes nothing
 NOT_YET: dict[str, Any] = {
     'adapter_folder': None,
-    'resize_vocab': False,
     'split_special_tokens': False,
-    'add_tokens': None,
-    'add_special_tokens': None,
-    'new_special_tokens_config': None,
     'rope_scaling': None,
     'shift_attn': False,
     'mixture_of_depths': None,
@@ -169,7 +165,6 @@ NOT_YET: dict[str, Any] = {
     'gradient_checkpointing_kwargs': None,
     'hyper_parallel_args': None,
     'hyper_parallel_cp_size': 1,
-    'init_special_tokens': 'noise_init',
     'kt_cpu_activation': None,
     'kt_expert_checkpoint_path': None,
     'kt_lora_expert_intermediate_size': None,
