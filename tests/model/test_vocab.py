@@ -88,6 +88,16 @@ def test_the_descriptions_file_names_the_special_tokens(make_cfg, tmp_path, capl
     assert "<other>" not in tok.get_vocab()
 
 
+def test_the_tokenized_data_cache_key_follows_the_new_tokens(make_cfg):
+    from tuneforge.data.cache import tokenizer_fingerprint
+
+    def key(**keys):
+        return tokenizer_fingerprint(load_tokenizer(make_cfg(**keys).model))
+
+    assert len({key(), key(add_tokens="<a>"), key(add_special_tokens="<a>"), key(add_tokens="<a>,<b>")}) == 4
+    assert key(add_tokens="<a>") == key(add_tokens="<a>")
+
+
 # ---------------------------------------------------------------- the model
 
 
