@@ -137,12 +137,12 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
     _use_packed_sdpa(model, cfg)
+    if fit_vocabulary(model, m, cfg.train.seed):  # before checkpointing hooks onto the (then replaced) embedding
+        cfg = train_embeddings(cfg, model)
     if quant is not None or saved is not None:
         _prepare_quantized(model)
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if fit_vocabulary(model, m, cfg.train.seed):
-        cfg = train_embeddings(cfg, model)
     model = apply_finetuning(model, cfg)
     upcast_trainable_params(model)
     model.train()
