@@ -65,11 +65,7 @@ IGNORED: dict[str, str] = {
 # key -> LlamaFactory's default: the value at which the key changes nothing
 NOT_YET: dict[str, Any] = {
     'adapter_folder': None,
-    'resize_vocab': False,
     'split_special_tokens': False,
-    'add_tokens': None,
-    'add_special_tokens': None,
-    'new_special_tokens_config': None,
     'moe_aux_loss_coef': None,
     'train_from_scratch': False,
     'offload_folder': 'offload',
@@ -122,7 +118,6 @@ NOT_YET: dict[str, Any] = {
     'gradient_checkpointing_kwargs': None,
     'hyper_parallel_args': None,
     'hyper_parallel_cp_size': 1,
-    'init_special_tokens': 'noise_init',
     'kt_cpu_activation': None,
     'kt_expert_checkpoint_path': None,
     'kt_lora_expert_intermediate_size': None,

@@ -62,6 +62,17 @@ class ModelArgs:
     model_revision: str = opt("main", help="hub revision (branch, tag or commit)")
     hf_hub_token: str | None = opt(help="hub token for downloads (gated / private models and adapters) and "
                                         "export_hub_model_id's upload (default: HF_TOKEN or `hf auth login`'s)")
+    resize_vocab: bool = opt(False, help="grow the embeddings (and head) to the tokenizer and train them (on "
+                                         "by itself when add_tokens / add_special_tokens add a token)")
+    add_tokens: list[str] | None = opt(help="plain tokens to add to the tokenizer, comma-separated")
+    add_special_tokens: list[str] | None = opt(help="special tokens to add to the tokenizer, comma-separated (older "
+                                                    "name: new_special_tokens)")
+    new_special_tokens_config: dict | str | None = opt(help="special tokens with descriptions: a YAML / JSON file (or "
+                                                            "a mapping) token -> description; wins over "
+                                                            "add_special_tokens")
+    init_special_tokens: str = opt("noise_init", choices=("noise_init", "desc_init", "desc_init_w_noise"),
+                                   help="new tokens' embedding rows: noise_init (the mean row + noise), desc_init "
+                                        "(the mean row of the description's tokens), desc_init_w_noise (that + noise)")
     flash_attn: str = opt("auto", choices=FLASH_ATTN, help="attention: auto (sdpa), disabled/eager, sdpa, fa2")
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")

@@ -11,6 +11,7 @@ from tuneforge.config.deepspeed import DEEPSPEED_CHECKPOINT, DEEPSPEED_LAYOUT, d
 from tuneforge.config.fsdp import SHARDED_CHECKPOINT, fsdp_settings
 from tuneforge.config.kernels import check_kernels
 from tuneforge.config.low_memory import check_low_memory
+from tuneforge.config.new_tokens import check_new_tokens
 from tuneforge.config.optimizers import OPTIMIZERS, check_optimizer
 from tuneforge.config.processes import planned_processes
 from tuneforge.config.rl import check_rl
@@ -108,6 +109,7 @@ def validate(cfg: RunConfig, *, for_training: bool = True) -> None:
     if m.video_fps <= 0 or m.video_maxlen < 1:
         fail(f"video_fps must be > 0 and video_maxlen at least 1 (got {m.video_fps} and {m.video_maxlen})",
              key=("video_fps", "video_maxlen"))
+    check_new_tokens(cfg, fail)
     _check_preference(cfg, fail)
     check_rl(cfg, fail)
     if for_training and t.do_train:  # chat / export / eval of a run trained under DeepSpeed do not need it

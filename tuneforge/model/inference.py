@@ -22,6 +22,7 @@ from tuneforge.model.hub import resolve_adapter
 from tuneforge.model.load import (
     _from_pretrained,
     default_device,
+    fit_vocabulary,
     load_config,
     model_config,
     quantization_config,
@@ -119,6 +120,7 @@ def load_inference_model(
         raise ConfigError(f"{what}: a quantized base cannot take merged adapters, so only one adapter can be applied "
                           f"(got {len(adapters)}); use the unquantized base")
     model = _from_pretrained(path, config, m, dtype=dtype, quant=quant, device=device)
+    fit_vocabulary(model, m, cfg.train.seed)  # new tokens: the base grown to them before an adapter loads
     for folder in adapters:
         model = load_adapter(model, folder, trainable=False)
         if merge and quant is None and saved is None:

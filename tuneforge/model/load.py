@@ -19,6 +19,7 @@ from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
 from tuneforge.model.rope import apply_rope_scaling
 from tuneforge.model.shifted_attention import use_shifted_sparse_attention
+from tuneforge.model.vocab import add_new_tokens, fit_embeddings, train_embeddings, wants_new_tokens
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -40,7 +41,14 @@ def resolve_model_path(model_args: ModelArgs) -> Path:
 
 
 def load_tokenizer(model_args: ModelArgs) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, padding on the right, with pad_token = eos_token when it has none."""
+    """The model's tokenizer, padding on the right, with pad_token = eos_token when it has none, and the new tokens
+    (vocab.add_new_tokens: the config's, and those its adapters' saved tokenizers carry)."""
+    tokenizer = _base_tokenizer(model_args)
+    add_new_tokens(tokenizer, model_args)
+    return tokenizer
+
+
+def _base_tokenizer(model_args: ModelArgs) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     path = resolve_model_path(model_args)
@@ -61,6 +69,7 @@ def load_model_processor(model_args: ModelArgs):
     processor = load_processor(path, load_config(path, model_args), trust_remote_code=model_args.trust_remote_code)
     if processor is not None:
         processor.tokenizer = _ready_tokenizer(processor.tokenizer, path)
+        add_new_tokens(processor.tokenizer, model_args)
     return processor
 
 
@@ -135,6 +144,8 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     model = _from_pretrained(path, config, m, dtype=load_dtype, quant=quant, device=device)
     model.config.use_cache = False  # the KV cache only costs memory while training
     _use_packed_sdpa(model, cfg)
+    if fit_vocabulary(model, m, cfg.train.seed):  # before checkpointing hooks onto the (then replaced) embedding
+        cfg = train_embeddings(cfg, model)
     if m.shift_attn:
         _use_shift_attn(model)
     patch_model(model, cfg)  # liger-kernel, fp8, upcast_layernorm, upcast_lmhead_output
@@ -178,6 +189,8 @@ def load_reference(cfg: RunConfig, device: torch.device | None = None) -> PreTra
                              device=device)
     model.config.use_cache = False
     _use_packed_sdpa(model, cfg)
+    # the policy's vocabulary (new tokens: the policy's starting rows, from the same seed)
+    fit_vocabulary(model, replace(m, adapter_name_or_path=method.ref_model_adapters), cfg.train.seed)
     for adapter in method.ref_model_adapters or []:
         folder = resolve_adapter(adapter, cache_dir=m.cache_dir, revision=m.model_revision,
                                  token=m.hf_hub_token)
@@ -216,6 +229,15 @@ def reference_identity(cfg: RunConfig) -> dict[str, object]:
     if method.ref_model and method.ref_model_quantization_bit:
         identity["quantization_bit"] = method.ref_model_quantization_bit
     return identity
+
+
+def fit_vocabulary(model: PreTrainedModel, model_args: ModelArgs, seed: int) -> bool:
+    """The model's embeddings fitted to the tokenizer with the new tokens (vocab.fit_embeddings); True when they
+    should train. Loads the tokenizer only when the config can change the vocabulary."""
+    if not wants_new_tokens(model_args):
+        return False
+    tokenizer = _base_tokenizer(model_args)
+    return fit_embeddings(model, tokenizer, add_new_tokens(tokenizer, model_args, quiet=True), model_args, seed)
 
 
 def _use_packed_sdpa(model: PreTrainedModel, cfg: RunConfig) -> None:

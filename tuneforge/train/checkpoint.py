@@ -129,6 +129,21 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def adapter_save_args(model: torch.nn.Module) -> dict[str, Any]:
+    """save_pretrained's arguments for a peft model whose embeddings train in full (modules_to_save, as with new
+    tokens): the trained copy is what reloads, so peft's `auto`, which for a resized vocabulary also saves the base
+    embeddings and head (several copies), is turned off. {} for anything else."""
+    from peft import PeftModel
+    from peft.utils import ModulesToSaveWrapper
+
+    for _ in range(3):  # a value-head or DDP wrapper around the PeftModel
+        if isinstance(model, PeftModel):
+            embed = model.get_input_embeddings()
+            return {"save_embedding_layers": False} if isinstance(embed, ModulesToSaveWrapper) else {}
+        model = getattr(model, "module", None) or getattr(model, "model", None)
+    return {}
+
+
 def save_checkpoint(
     output_dir: Path,
     model: torch.nn.Module,
@@ -141,7 +156,7 @@ def save_checkpoint(
     """Write output_dir/checkpoint-{global_step} atomically and return it."""
     final = folder_at(output_dir, state.global_step)
     with atomic_folder(final) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **adapter_save_args(model))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
@@ -239,7 +254,8 @@ def load_trainable_weights(folder: Path, model: torch.nn.Module) -> None:
         adapter = model.active_adapter
         sub = folder if adapter == "default" else folder / adapter
         saved = _read_safetensors(sub, "adapter_model")
-        _check_keys(folder, saved, get_peft_model_state_dict(model, adapter_name=adapter), tied_ok=False)
+        expected = get_peft_model_state_dict(model, adapter_name=adapter, **adapter_save_args(model))
+        _check_keys(folder, saved, expected, tied_ok=False)
         set_peft_model_state_dict(model, saved, adapter_name=adapter)
         return
     saved = _in_memory_names(folder, model, _read_safetensors(folder, "model"))
@@ -353,7 +369,7 @@ def save_final_model(
     if pissa_init is not None:
         pissa.save_adapter(model, tmp, pissa_init, convert=pissa_convert)
     else:
-        model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
+        model.save_pretrained(tmp, **adapter_save_args(model), **({} if state_dict is None else {"state_dict": state_dict}))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     # peft's save_pretrained writes a template README.md: the model card is written after training (and a user's
