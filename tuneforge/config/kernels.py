@@ -10,8 +10,6 @@ import os
 import shutil
 from collections.abc import Callable
 
-import torch
-
 from tuneforge.config.schema import RunConfig, TrainArgs
 from tuneforge.stages import stage_of
 
@@ -38,15 +36,15 @@ def check_kernels(cfg: RunConfig, fail: Callable[..., None], for_training: bool)
     training = for_training and t.do_train
     if compiles(t):
         _check_compile(cfg, fail, training)
-    if t.tf32 and training and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-        fail(f"tf32: true needs an Ampere or newer GPU; {torch.cuda.get_device_name()} has none: set tf32: false "
+    if t.tf32 and training and _cuda().is_available() and _cuda().get_device_capability() < (8, 0):
+        fail(f"tf32: true needs an Ampere or newer GPU; {_cuda().get_device_name()} has none: set tf32: false "
              f"or remove it", key="tf32")
     if cfg.train.liger_kernel_config is not None and not liger_enabled(cfg):
         fail("liger_kernel_config configures liger-kernel, which is off: set enable_liger_kernel: true or remove "
              "liger_kernel_config", key=("liger_kernel_config", "enable_liger_kernel"))
     if liger_enabled(cfg) and training:
         key = "enable_liger_kernel" if cfg.model.enable_liger_kernel else "use_liger_kernel"
-        if not torch.cuda.is_available():
+        if not _cuda().is_available():
             fail(f"{key}: liger-kernel's kernels are Triton kernels for CUDA GPUs, and this machine has none; "
                  f"remove {key} (on the CPU the model's own layers run)", key=key)
         if importlib.util.find_spec("liger_kernel") is None:
@@ -73,10 +71,21 @@ def _check_compile(cfg: RunConfig, fail: Callable[..., None], training: bool) ->
     if stage_of(cfg.method.stage).samples:
         fail(f"torch_compile: stage {cfg.method.stage} generates completions with the policy, where compiled layers "
              f"recompile for every new length; drop torch_compile", key=("torch_compile", "stage"))
-    if training and backend == "inductor" and not torch.cuda.is_available() and not _cpp_compiler():
+    if training and backend == "inductor" and not _cuda().is_available() and not _cpp_compiler():
         fail("torch_compile on the CPU: inductor builds C++ kernels and no C++ compiler was found (g++, clang++ or "
              "$CXX); install one (e.g. apt-get install g++), or set torch_compile_backend: aot_eager",
              key=("torch_compile", "torch_compile_backend"))
+
+
+def _torch():
+    """torch, imported only when a key that needs it is set: reading and checking a config imports no torch."""
+    import torch
+
+    return torch
+
+
+def _cuda():
+    return _torch().cuda
 
 
 def _cpp_compiler() -> str | None:
@@ -98,6 +107,7 @@ def _check_fp8(cfg: RunConfig, fail: Callable[..., None], training: bool) -> Non
         fail("fp8 needs torchao: pip install 'tuneforge[fp8]'", key="fp8")
     if not training:
         return
+    torch = _torch()
     if not torch.cuda.is_available():
         fail("fp8 runs float8 matmuls on an Ada or Hopper GPU (CUDA), and this machine has none; remove fp8", key="fp8")
     if torch.cuda.get_device_capability() < FP8_CAPABILITY:
