@@ -197,6 +197,9 @@ def test_the_ranks_stop_at_the_same_step(tmp_path, tiny_model_dir):
 def test_stop_requests_the_same_signal_twice_stops_at_once_another_is_ignored(tmp_path):
     from tuneforge.train.callbacks import StopRequests
 
+    # a program's usual handlers beforehand (whatever an earlier test in this process left in place), so that the
+    # second Ctrl-C reaches Python's own KeyboardInterrupt
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, signal.SIG_DFL)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     requests = StopRequests(tmp_path)
     requests.install()
@@ -213,7 +216,9 @@ def test_stop_requests_the_same_signal_twice_stops_at_once_another_is_ignored(tm
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     finally:
         requests.restore()
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        signal.signal(signal.SIGINT, outer[0])
+        signal.signal(signal.SIGTERM, outer[1])
     requests = StopRequests(tmp_path)  # without signals: the stop file
     (tmp_path / STOP_FILE).touch()
     assert requests.should_stop() == f"{tmp_path / STOP_FILE} found"

@@ -345,10 +345,11 @@ class Trainer:
             raise DataError(f"{self.cfg.source}: the training dataset is empty; check dataset / max_samples")
         self.stop_requests = _callbacks.StopRequests(self.output_dir)
         self.stop_requests.install()
-        noise = NEFTune(self.model, t.neftune_noise_alpha) if t.neftune_noise_alpha else None
-        if noise:  # the training forward's input embeddings get noise (train/neftune.py)
-            self._noising = noise.noising
+        noise = None
         try:
+            if t.neftune_noise_alpha:  # the training forward's input embeddings get noise (train/neftune.py)
+                noise = NEFTune(self.model, t.neftune_noise_alpha)
+                self._noising = noise.noising
             return self._train(t)
         finally:
             self.stop_requests.restore()
