@@ -90,3 +90,10 @@ def text_positions(model_inputs: dict[str, Any]) -> Any:
     model's packed media rows."""
     positions = model_inputs["position_ids"]
     return positions[0] if positions.dim() == 3 else positions
+
+
+def position_samples(model_inputs: dict[str, Any]) -> Any:
+    """(rows, seq): the sample each position belongs to, numbered 0, 1, ... over the whole batch, when samples share
+    rows (each starts at text position 0)."""
+    starts = text_positions(model_inputs) == 0
+    return (starts.flatten().cumsum(0) - 1).clamp(min=0).view_as(starts)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tuneforge.batch import Batch, text_positions
+from tuneforge.batch import Batch, position_samples
 from tuneforge.trunk import unwrapped
 
 
@@ -26,10 +26,8 @@ def sample_lengths(batch: Batch) -> torch.Tensor | None:
     if ids is None:
         return None
     if batch.layout.samples_share_rows and "position_ids" in inputs:
-        starts = text_positions(inputs) == 0
-        sample = (starts.flatten().cumsum(0) - 1).clamp(min=0)  # 0, 1, ... over the whole batch, flattened
-        counts = torch.bincount(sample, minlength=int(sample.max()) + 1)
-        return counts[sample].view_as(starts).float()
+        sample = position_samples(inputs)
+        return torch.bincount(sample.flatten())[sample].float()
     mask = inputs.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         return mask.sum(dim=1, keepdim=True).expand_as(ids).float()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuneforge.batch import Batch, text_positions
+from tuneforge.batch import Batch, position_samples
 from tuneforge.train.objectives import ObjectiveOutput
 from tuneforge.train.objectives.reference import Reference
 from tuneforge.train.objectives.sft_losses import TokenLoss
@@ -99,8 +99,7 @@ def target_samples(batch: Batch) -> torch.Tensor:
     keep, _ = supervised_targets(batch)
     ids = batch.model_inputs["input_ids"]
     if batch.layout.samples_share_rows:
-        starts = text_positions(batch.model_inputs) == 0
-        sample = starts.flatten().cumsum(0).view_as(starts)
+        sample = position_samples(batch.model_inputs)
     else:
         sample = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
     return sample[keep]
