@@ -112,9 +112,10 @@ def fsdp_settings(cfg: RunConfig) -> FsdpSettings | None:
                  f"drop {key}")
     if "activation_checkpointing" in conf:
         wanted = _flag(conf["activation_checkpointing"], "activation_checkpointing", fail)
-        if wanted == cfg.model.disable_gradient_checkpointing:
+        current = cfg.model.disable_gradient_checkpointing  # null: on, per layer by memory
+        if wanted == current or (current is None and not wanted):
             fail(f"fsdp_config: activation_checkpointing {str(wanted).lower()} contradicts "
-                 f"disable_gradient_checkpointing {str(cfg.model.disable_gradient_checkpointing).lower()}; "
+                 f"disable_gradient_checkpointing {'null' if current is None else str(current).lower()}; "
                  f"set disable_gradient_checkpointing: {str(not wanted).lower()} to switch gradient checkpointing "
                  f"{'on' if wanted else 'off'}, and drop activation_checkpointing")
     layers = conf.get("transformer_layer_cls_to_wrap") or ()

@@ -44,7 +44,8 @@ UNSLOTH = ("needs the unsloth package, which replaces transformers' model code w
            "does not load it. Its LoRA is tuneforge's own (finetuning_type: lora) with gradient checkpointing (on by "
            "default); on CUDA, enable_liger_kernel and torch_compile give fused kernels. Remove use_unsloth")
 UNSLOTH_GC = ("is Unsloth's gradient checkpointing (saved activations offloaded to CPU memory), which tuneforge does not "
-              "have; torch's gradient checkpointing is on by default (disable_gradient_checkpointing: false). Remove "
+              "have; torch's gradient checkpointing is on by default (per layer by memory; every layer with "
+              "disable_gradient_checkpointing: false). Remove "
               "use_unsloth_gc")
 MOD = ("needs the mixture-of-depth package, whose last release (1.2.0) does not import with transformers 5 "
        "(it reads transformers.TRANSFORMERS_CACHE, which is gone) and wraps decoder layers by transformers 4's call "
@@ -76,7 +77,9 @@ class ModelArgs:
     flash_attn: str = opt("auto", choices=FLASH_ATTN, help="attention: auto (sdpa), disabled/eager, sdpa, fa2")
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
-    disable_gradient_checkpointing: bool = opt(False, help="gradient checkpointing is on by default")
+    disable_gradient_checkpointing: bool | None = opt(
+        None, help="unset (null): gradient checkpointing on only as many decoder layers as a memory estimate needs "
+                   "(all when memory is short, none when it is plenty); false: on every layer; true: off")
     # kernels and precision of the model's own layers (tuneforge/model/kernels.py)
     upcast_layernorm: bool = opt(False, help="keep the norm layers' weights in fp32 when the model loads in bf16 / fp16")
     upcast_lmhead_output: bool = opt(False, help="the vocabulary head's output in fp32 under bf16 / fp16 (tuneforge's "

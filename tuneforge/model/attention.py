@@ -42,10 +42,12 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     edges = bounds.tolist()
+    lengths = [e - s for s, e in zip(edges[:-1], edges[1:], strict=True)]
+    # split, not slices: the gradient of a split is one cat, where each slice's would be a zeroed full-size tensor
     pieces = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
-                               dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
-        for s, e in zip(edges[:-1], edges[1:], strict=True)
+        sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+        for q, k, v in zip(*(t[:, :, edges[0]:edges[-1]].split(lengths, dim=2) for t in (query, key, value)),
+                           strict=True)
     ]
     return torch.cat(pieces, dim=1), None  # (1, N, heads, head_dim), as sdpa_attention_forward returns
 

@@ -11,7 +11,8 @@ import torch
 
 from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
-from tuneforge.model.adapters import apply_finetuning, load_adapter, upcast_trainable_params
+from tuneforge.model.adapters import apply_finetuning, decoder_layers, load_adapter, upcast_trainable_params
+from tuneforge.model.checkpointing import checkpoint_by_memory
 from tuneforge.model.hub import resolve, resolve_adapter
 from tuneforge.model.kernels import check_liger, compile_layers, patch_model, set_tf32, upcast_norms
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
@@ -156,13 +157,16 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     model = apply_finetuning(model, cfg)
     if not half_weights:
         upcast_trainable_params(model)
+    checkpointing = "off" if m.disable_gradient_checkpointing else "on"
+    if m.disable_gradient_checkpointing is None and (chosen := _checkpoint_by_memory(model, cfg, device)):
+        checkpointing = f"on for {chosen.checkpointed} of {chosen.layers} layers"
     compile_layers(model, cfg.train)
     model.train()
     logger.info(
         "loaded %s: dtype %s (trainable params %s), attention %s, quantization %s, finetuning %s, "
         "gradient checkpointing %s, device %s",
         path, str(load_dtype).removeprefix("torch."), "as loaded" if half_weights else "fp32", attention.describe(model.config._attn_implementation),
-        f"{saved} (saved so)" if saved else _describe_quant(m), method.finetuning_type, "off" if m.disable_gradient_checkpointing else "on", device,
+        f"{saved} (saved so)" if saved else _describe_quant(m), method.finetuning_type, checkpointing, device,
     )
     logger.info("%s", describe_trainable(model))
     return model
@@ -343,6 +347,16 @@ def _prepare_quantized(model: PreTrainedModel) -> None:
     for param in model.parameters():
         param.requires_grad_(False)
     upcast_norms(model)
+
+
+def _checkpoint_by_memory(model: torch.nn.Module, cfg: RunConfig, device: torch.device):
+    """disable_gradient_checkpointing unset: checkpointing only on the layers the memory estimate needs."""
+    try:
+        _, layers = decoder_layers(model)
+    except ModelError:  # layers not found: every layer stays checkpointed
+        return None
+    optimizer_bytes = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # fp32 grad + 2 moments
+    return checkpoint_by_memory(model, layers, cfg, device, reserved=optimizer_bytes)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

@@ -52,6 +52,7 @@ from tuneforge.batch import Batch, sample_seed
 from tuneforge.config import RunConfig
 from tuneforge.config.schedules import SCHEDULES
 from tuneforge.errors import DataError, TrainingError
+from tuneforge.model.mixed_precision import autocast_inputs, plain_lora_layers
 from tuneforge.train import callbacks as _callbacks
 from tuneforge.train import checkpoint, reporters, sequence_parallel
 from tuneforge.train.neftune import NEFTune
@@ -336,6 +337,7 @@ class Trainer:
         self.best_name = "eval_loss"
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
         self._noising: Callable[[Batch], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
+        self._plain_lora = plain_lora_layers(model)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -482,7 +484,14 @@ class Trainer:
         return batch.to(self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        return autocast_context(self.cfg.train, self.device)
+        """The configured autocast; under it, plain LoRA layers skip their redundant fp32 input copy."""
+        t = self.cfg.train
+        if not (t.bf16 or t.fp16) or not self._plain_lora:
+            return autocast_context(t, self.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast_context(t, self.device))
+        stack.enter_context(autocast_inputs(self._plain_lora))
+        return stack
 
     def _accumulation_groups(self) -> Iterator[tuple[list[list[int]], Phase]]:
         """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time, each group with
