@@ -28,9 +28,10 @@ def test_compiled_layers_train_to_the_same_losses_and_save_the_same_weights(tmp_
     torch._dynamo.reset()
     counters.clear()
     for compiled in (False, True):
-        # inductor (C++ kernels on the CPU), full fine-tuning, gradient checkpointing (the default): the layers' parts
-        # are compiled and recomputed through their compiled code in the backward
-        cfg = make_cfg(tmp_path / f"out-{compiled}", tiny_model_dir, torch_compile=compiled, max_steps=3)
+        # inductor (C++ kernels on the CPU), full fine-tuning, gradient checkpointing on every layer: the layers'
+        # parts are compiled and recomputed through their compiled code in the backward
+        cfg = make_cfg(tmp_path / f"out-{compiled}", tiny_model_dir, torch_compile=compiled, max_steps=3,
+                       disable_gradient_checkpointing=False)
         runs[compiled] = _train(cfg, data)
     model, losses = runs[True]
     _, layers = decoder_layers(model)

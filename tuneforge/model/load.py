@@ -13,8 +13,16 @@ from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, decoder_layers, load_adapter, upcast_trainable_params
 from tuneforge.model.checkpointing import checkpoint_by_memory
+from tuneforge.model.fused_norm import fuse_rms_norms
 from tuneforge.model.hub import resolve, resolve_adapter
-from tuneforge.model.kernels import check_liger, compile_layers, patch_model, set_tf32, upcast_norms
+from tuneforge.model.kernels import (
+    check_liger,
+    compile_layers,
+    liger_enabled,
+    patch_model,
+    set_tf32,
+    upcast_norms,
+)
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
@@ -152,6 +160,8 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     patch_model(model, cfg)  # liger-kernel, fp8, upcast_layernorm, upcast_lmhead_output
     if quant is not None or saved is not None:
         _prepare_quantized(model)
+    if not liger_enabled(cfg):  # liger has its own RMSNorm kernel
+        fuse_rms_norms(model)
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = apply_finetuning(model, cfg)
