@@ -229,7 +229,7 @@ def run_pair(name: str, workload: dict, model: Path, env: dict, args, phases: Ph
 def result_row(system, common, keys, env, tokens, samples, runtime, loss, peak, wall, out) -> dict:
     return {
         "system": system, **common, **keys,
-        "effective_tokens_per_sec": round(tokens, 3) if tokens else tokens,
+        "effective_tokens_per_sec": tokens,
         "samples_per_sec": samples,
         "train_runtime_s": runtime,
         "train_loss": loss,

@@ -60,8 +60,9 @@ def run_llamafactory(python: str, cfg: dict, out: Path, env: dict | None = None)
         sys.exit(f"llamafactory failed ({code}); see {out / 'log.txt'}:\n{tail}")
     results = json.loads((out / "run" / "train_results.json").read_text())
     peak = json.loads((out / "peak.json").read_text())
+    tokens = results.get("effective_tokens_per_sec")
     return {
-        "effective_tokens_per_sec": results.get("effective_tokens_per_sec"),
+        "effective_tokens_per_sec": round(tokens, 3) if tokens else tokens,
         "samples_per_sec": results.get("train_samples_per_second"),
         "train_runtime_s": results.get("train_runtime"),
         "train_loss": results.get("train_loss"),
