@@ -1,12 +1,19 @@
 """Training throughput on the workloads that ../shared/bench/peer-llamafactory.sh gives LlamaFactory, so
 the two can be set side by side in one sitting.
 
-    python benchmarks/train_throughput.py [--workload W1|W2|W5] [--dataset-dir DIR] [--model-dir DIR] [--peer]
-                                          [key=value ...]
+    python benchmarks/train_throughput.py [--workload W1|W2|W3|W4|W5] [--dataset-dir DIR] [--model-dir DIR]
+                                          [--peer] [key=value ...]
 
 W1: LoRA SFT of the built-in SmolLM2-135M-Instruct on alpaca_en_demo (the peer script's defaults).
 W2: LoRA DPO of the same model on dpo_en_demo (128 pairs, cutoff 512, batch 2, 20 steps, bf16);
     `precompute_ref_log_probs=true` as an override measures the precomputed-reference variant.
+W3: full fine-tuning of the same model on alpaca_en_demo (finetuning_type full, lr 1e-5, 10 steps: every weight
+    trains in fp32 with bf16 autocast in both; a few minutes on 2 CPU cores).
+W4: QLoRA: W1 with the base quantized to 4 bits by bitsandbytes on loading (quantization_bit 4, NF4 with double
+    quantization, both systems' defaults), 10 steps. The peer script writes only its own keys, so for W4 this
+    benchmark runs LlamaFactory itself (benchmarks/llamafactory_peer.py) from the peer script's venv, with the
+    same keys plus quantization_bit, and installs bitsandbytes there if it is missing. bitsandbytes 4-bit runs on
+    a CPU (its torch fallback: the kernels-community CPU kernels need the Hub), in both.
 W5: LoRA SFT of a vision-language model on mllm_demo (its 6 rows with images, batch 2, 30 steps): by default
     the tests' tiny random LLaVA (tests/mm_families.py; LLaVA's processor loads without torchvision, which
     LlamaFactory's needs too), or --model-dir. The peer renders with its own `llava` template, tuneforge with the
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -82,11 +90,16 @@ W5 = {
     "max_steps": 30,
     "logging_steps": 5,
 }
-WORKLOADS = {"W1": W1, "W2": W2, "W5": W5}
+# W3: full fine-tuning (LlamaFactory's finetuning_type full; its example's learning rate)
+W3 = {**W1, "finetuning_type": "full", "learning_rate": 1e-5, "max_steps": 10}
+# W4: QLoRA, W1 on a 4-bit (NF4) base
+W4 = {**W1, "quantization_bit": 4, "max_steps": 10}
+WORKLOADS = {"W1": W1, "W2": W2, "W3": W3, "W4": W4, "W5": W5}
 # the peer script's keys for each workload (W1 is its defaults)
 PEER_ARGS = {
     "W1": [],
     "W2": ["stage=dpo", "dataset=dpo_en_demo", "max_samples=128", "batch_size=2", "max_steps=20"],
+    "W3": ["finetuning_type=full", "learning_rate=1e-5", "max_steps=10"],
     "W5": ["dataset=mllm_demo", "template=llava", "cutoff_len=1024", "max_samples=6", "batch_size=2",
            "max_steps=30"],
 }
@@ -138,6 +151,8 @@ def run_peer(workload: str, dataset_dir: str, extra: list[str], model_dir: str |
     from tuneforge.model.hub import builtin_model_dir
 
     model = model_dir or str(builtin_model_dir())
+    if workload not in PEER_ARGS:  # a key the peer script cannot pass
+        return run_peer_direct(workload, dataset_dir, extra, model)
     cmd = ["bash", str(PEER_SCRIPT), model, f"dataset_dir={dataset_dir}", *PEER_ARGS[workload], *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -146,6 +161,29 @@ def run_peer(workload: str, dataset_dir: str, extra: list[str], model_dir: str |
     results = Path(peer["out"]) / "run" / "train_results.json"
     peer["samples_per_sec"] = json.loads(results.read_text()).get("train_samples_per_second") if results.is_file() else None
     return peer
+
+
+def run_peer_direct(workload: str, dataset_dir: str, extra: list[str], model: str) -> dict:
+    """LlamaFactory on the workload's own keys, from the peer script's venv (with its CPU work-arounds)."""
+    from llamafactory_peer import peer_config, run_llamafactory
+
+    venv = Path(os.environ.get("PEER_VENV", Path.home() / ".cache" / "tuneforge-peer" / "lf-venv"))
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        sys.exit(f"no LlamaFactory venv at {venv}: run `bash {PEER_SCRIPT} {model}` once (it builds it), or set "
+                 "PEER_VENV")
+    if "quantization_bit" in WORKLOADS[workload] and subprocess.run([python, "-c", "import bitsandbytes"],
+                                                                      capture_output=True).returncode != 0:
+        print(f"peer: installing bitsandbytes into {venv}", file=sys.stderr)
+        subprocess.run([venv / "bin" / "pip", "install", "-q", "-c", venv / "constraints.txt",
+                        "bitsandbytes>=0.46,<0.51"], check=True)
+    keys = dict(kv.split("=", 1) for kv in extra)  # --fp32's bf16=false
+    cfg = {**WORKLOADS[workload], "model_name_or_path": model, "dataset_dir": dataset_dir,
+           **{k: json.loads(v) for k, v in keys.items()}}
+    out = Path(os.environ.get("PEER_OUT") or tempfile.mkdtemp(prefix=f"peer-{workload.lower()}-"))
+    # the peer script's CPU work-around: an empty torchaudio stand-in that LlamaFactory imports
+    res = run_llamafactory(str(python), peer_config(cfg, out, cpu=True), out, env={"PYTHONPATH": str(venv / "stubs")})
+    return {"system": "llamafactory-0.9.5", "workload": workload, **res}
 
 
 def train_child(cfg: dict, workload: str, overrides: list[str] = ()) -> tuple[Path, dict, float, float]:

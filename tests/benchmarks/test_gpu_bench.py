@@ -1,0 +1,95 @@
+"""benchmarks/gpu.sh and its driver: how MFU is counted, the GPU table, LlamaFactory's config on a GPU vs a CPU, the
+errors a user sees before anything runs, and (e2e) the dry run's JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_bench  # noqa: E402
+from llamafactory_peer import peer_config  # noqa: E402
+
+
+def test_peak_by_device_name(monkeypatch):
+    monkeypatch.delenv("TUNEFORGE_PEAK_TFLOPS", raising=False)
+    assert gpu_bench.peak_tflops("NVIDIA H200") == 989.4
+    assert gpu_bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert gpu_bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gpu_bench.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_bench.peak_tflops("NVIDIA L40S") == 362.1
+    assert gpu_bench.peak_tflops("cpu") is None
+    monkeypatch.setenv("TUNEFORGE_PEAK_TFLOPS", "0.4")
+    assert gpu_bench.peak_tflops("cpu") == 0.4
+
+
+def test_flops_count_the_linear_weights_lm_head_included(tiny_model_dir, tokenizer):
+    # tiny_model_dir: hidden 32, MLP 64, 2 layers, 4 heads of 8, 2 KV heads; tied embeddings
+    per_layer = 32 * 32 + 2 * (32 * 16) + 32 * 32 + 3 * 32 * 64
+    n = 2 * per_layer + len(tokenizer) * 32
+    assert gpu_bench.linear_params(tiny_model_dir) == n
+    assert gpu_bench.flops_per_token(n, "full") == 6 * n
+    assert gpu_bench.flops_per_token(n, "lora") == 4 * n
+    assert gpu_bench.mfu(1000.0, 6 * n, 989.4) == round(6 * n * 1000 / 989.4e12, 4)
+    assert gpu_bench.mfu(1000.0, 6 * n, None) is None
+
+
+def test_llamafactory_config_on_gpu_and_cpu(tmp_path):
+    workload = {**gpu_bench.F1B, "model_name_or_path": "/m", "flash_attn": "fa2", "enable_liger_kernel": True}
+    gpu = peer_config(workload, tmp_path, cpu=False)
+    assert "use_cpu" not in gpu and gpu["flash_attn"] == "fa2" and gpu["enable_liger_kernel"] is True
+    assert gpu["finetuning_type"] == "full" and gpu["per_device_train_batch_size"] == 16
+    assert gpu["disable_gradient_checkpointing"] is True and gpu["output_dir"] == str(tmp_path / "run")
+    assert gpu["do_train"] is True and gpu["include_effective_tokens_per_second"] is True
+    assert "disable_tqdm" not in gpu
+    cpu = peer_config({**workload, "quantization_bit": 4}, tmp_path, cpu=True)
+    assert cpu["use_cpu"] is True and cpu["quantization_bit"] == 4
+
+
+def test_ratios_pair_each_workload():
+    rows = [
+        {"system": "tuneforge", "workload": "W1", "effective_tokens_per_sec": 300.0, "peak_memory_mb": 600.0, "mfu": 0.3},
+        {"system": "llamafactory-0.9.5", "workload": "W1", "effective_tokens_per_sec": 100.0, "peak_memory_mb": 1000.0,
+         "mfu": 0.1},
+        {"system": "tuneforge", "workload": "F1B", "effective_tokens_per_sec": 5.0, "peak_memory_mb": 1.0, "mfu": None},
+    ]
+    assert gpu_bench.ratios(rows) == [{"workload": "W1", "tokens_per_sec_ratio": 3.0, "peak_memory_ratio": 0.6,
+                                       "mfu": [0.3, 0.1]}]
+
+
+def test_unknown_workload_is_refused_before_anything_runs(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--dry-run", "--workloads", "W1,W9"])
+    with pytest.raises(SystemExit, match="unknown workload.*W9.*W1, F1B"):
+        gpu_bench.main()
+
+
+def test_gpu_sh_names_a_python_that_cannot_run_it(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"], capture_output=True, text=True,
+                          env={**os.environ, "TUNEFORGE_PYTHON": str(tmp_path / "nope"), "GPU_BENCH_WORK": str(tmp_path)})
+    assert done.returncode == 2
+    assert f"TUNEFORGE_PYTHON={tmp_path / 'nope'} does not import torch" in done.stderr
+
+
+@pytest.mark.e2e
+def test_dry_run_prints_every_figure(tmp_path, tokenizer):
+    env = {**os.environ, "TUNEFORGE_PYTHON": sys.executable, "GPU_BENCH_WORK": str(tmp_path),
+           "TUNEFORGE_PEAK_TFLOPS": "0.4"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--no-peer"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["dry_run"] is True and summary["device"] == "cpu" and summary["peak_tflops"] == 0.4
+    assert [(r["system"], r["workload"]) for r in summary["runs"]] == [("tuneforge", "W1"), ("tuneforge", "F1B")]
+    n = 2 * (64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * 64 * 128) + len(tokenizer) * 64  # the "tiny" shape
+    for run, factor in zip(summary["runs"], (4, 6), strict=True):
+        assert run["linear_params"] == n and run["flops_per_token"] == factor * n
+        assert run["effective_tokens_per_sec"] > 0 and run["train_runtime_s"] > 0 and run["peak_memory_mb"] > 0
+        assert run["mfu"] == round(factor * n * run["effective_tokens_per_sec"] / 0.4e12, 4)
+        assert run["peak_memory_kind"] == "RSS in training" and run["flash_attn"] == "sdpa"
+    assert set(summary["phases_s"]) == {"setup", "build tiny model", "W1 tuneforge", "F1B tuneforge"}
+    assert "[gpu_bench] W1 tuneforge:" in done.stderr
