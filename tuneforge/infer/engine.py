@@ -126,8 +126,12 @@ class Engine:
         if why:
             logger.info("requests are answered one at a time: %s", why)
             return None
-        return Batcher(self.lm, max_rows=max_batch, cache_tokens=CACHE_TOKENS, step_tokens=STEP_TOKENS,
-                       on_done=self._batch_done)
+        try:
+            return Batcher(self.lm, max_rows=max_batch, cache_tokens=CACHE_TOKENS, step_tokens=STEP_TOKENS,
+                           on_done=self._batch_done)
+        except Exception as e:  # an architecture transformers' continuous batching does not take
+            logger.warning("requests are answered one at a time: continuous batching failed to start: %s", e)
+            return None
 
     def batch_rows(self) -> dict[int, int]:
         """Forward passes of the batched path by their number of rows ({} when it is off)."""
