@@ -18,10 +18,9 @@ with top_k 1 (the most likely token is the only one left, so the draw is the arg
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +117,7 @@ def complete_all(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
 class _Running:
     """A request whose rows are in the batch."""
 
+    key: int
     job: Job
     outputs: list[Output]
     rows: dict[str, int] = field(default_factory=dict)  # request id of each live row -> its answer index
@@ -142,7 +142,6 @@ class Batcher:
         self._owner: dict[str, _Running] = {}  # request id -> its request
         self._lock = threading.Lock()
         self._next = 0
-        self._added: queue.Queue = queue.Queue()  # requests handed from add() to the reader
         self._closed = threading.Event()
         with torch.inference_mode():  # the manager's thread runs in the caller's inference mode
             self.manager.start()
@@ -155,22 +154,17 @@ class Batcher:
             rows = int(bounds.numel()) - 1
             self.rows_per_step[rows] = self.rows_per_step.get(rows, 0) + 1
 
-    def running(self) -> bool:
-        return self.manager.is_running()
-
     def fits(self, prompt_tokens: int, new_tokens: int, n: int) -> bool:
         """Whether the request's rows fit the paged cache together (a longer one runs on the exclusive path)."""
         return n * (prompt_tokens + new_tokens) <= self.cache_tokens // 2
 
     def add(self, job: Job, outputs: list[Output], sampling: RowSampling, stop_ids: list[int]) -> None:
         """Put each answer of the request in the batch as a row (they share the prompt's cache blocks)."""
-        running = _Running(job, outputs)
         with self._lock:
-            key = self._next
+            running = _Running(self._next, job, outputs)
             self._next += 1
-            running.rows = {f"tf{key}-{i}": i for i in range(len(outputs))}
+            running.rows = {f"tf{running.key}-{i}": i for i in range(len(outputs))}
             running.fed = dict.fromkeys(range(len(outputs)), 0)
-            self._running[key] = running
             self._owner.update(dict.fromkeys(running.rows, running))
         for rid in list(running.rows):
             added = self.manager.add_request(job.prompt_ids, request_id=rid, max_new_tokens=job.sampling.max_new_tokens,
@@ -178,12 +172,22 @@ class Batcher:
             if added is None:  # the manager refuses requests (stopping, or its loop failed)
                 self._end(running, failed=RuntimeError("the batched generation loop is not running"))
                 return
+        with self._lock:  # only now may the reader end it on cancel: every row is in the batch to be cancelled
+            if running.rows:
+                self._running[running.key] = running
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        """Hold the batch between two steps while the caller uses the model."""
-        with self.manager.pause():
+        """Hold the batch between two steps while the caller uses the model (a loop that is gone holds nothing)."""
+        held = self.manager.pause() if self.manager.is_running() else nullcontext()
+        try:
+            held.__enter__()
+        except RuntimeError:  # the loop stopped before it could pause
+            held = nullcontext()
+        try:
             yield
+        finally:
+            held.__exit__(None, None, None)
 
     # ---- the reader thread
     def _read(self) -> None:
@@ -240,7 +244,7 @@ class Batcher:
             self._owner.pop(rid, None)
             last = not running.rows
             if last:
-                self._running = {k: r for k, r in self._running.items() if r is not running}
+                self._running.pop(running.key, None)
         if last:
             tokens = sum(o.tokens for o in running.outputs)
             running.job.emit(Done(len(running.job.prompt_ids), tokens))
@@ -253,7 +257,7 @@ class Batcher:
             running.rows.clear()
             for rid, _ in rows:
                 self._owner.pop(rid, None)
-            self._running = {k: r for k, r in self._running.items() if r is not running}
+            self._running.pop(running.key, None)
         for rid, index in rows:
             self.manager.cancel_request(rid)
             if failed is None:

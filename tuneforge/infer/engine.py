@@ -310,7 +310,7 @@ class Engine:
             if task is None:
                 return
             try:
-                with self._batcher.pause() if self._batcher is not None and self._batcher.running() else nullcontext():
+                with self._batcher.pause() if self._batcher is not None else nullcontext():
                     task()
             except Exception:  # a task reports its own errors; this is a bug in the engine
                 logger.exception("engine task failed")
