@@ -1,5 +1,5 @@
 """Serving throughput: `tuneforge api` on the built-in model under concurrent clients of the official openai client,
-beside the same server answering one request at a time (`--max-batch 1`) and, with --peer, LlamaFactory's
+beside the same server answering one request at a time (`infer_max_batch=1`) and, with --peer, LlamaFactory's
 `llamafactory-cli api` (../shared/bench/peer-llamafactory-api.sh) on the same model folder.
 
     python benchmarks/serve_throughput.py [--clients 1,16,100] [--max-tokens 32] [--peer] [--peer-clients 16]
@@ -161,7 +161,7 @@ def main() -> None:
                  "script": str(LOAD), "logs": str(work)},
     }
     report["batched"] = serve_and_load("batched", tuneforge, args.port, loads, args.max_tokens, work)
-    report["one_at_a_time"] = serve_and_load("one_at_a_time", [*tuneforge, "--max-batch", "1"], args.port, others,
+    report["one_at_a_time"] = serve_and_load("one_at_a_time", [*tuneforge, "infer_max_batch=1"], args.port, others,
                                              args.max_tokens, work)
     if args.peer:
         report["llamafactory"] = serve_and_load("llamafactory", ["bash", str(PEER), str(model), str(args.port), KEY],

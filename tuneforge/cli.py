@@ -67,8 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(api)
     api.add_argument("--host", help="address to listen on (default: $API_HOST, else 0.0.0.0)")
     api.add_argument("--port", type=int, help="port (default: $API_PORT, else 8000)")
-    api.add_argument("--max-batch", type=int, default=32,
-                     help="answers decoded together (continuous batching; default 32); 1 = one request at a time")
     _config_args(sub.add_parser("export", help="merge and export the model"))
     _config_args(sub.add_parser("eval", help="evaluate the model"))
     data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
@@ -211,9 +209,7 @@ def cmd_api(args) -> None:
         port = int(raw)
     from tuneforge.infer.api import serve
 
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be >= 1 (got {args.max_batch})")
-    serve(cfg, host=host, port=port, api_key=os.environ.get("API_KEY") or None, max_batch=args.max_batch)
+    serve(cfg, host=host, port=port, api_key=os.environ.get("API_KEY") or None)
 
 
 def cmd_export(args) -> None:

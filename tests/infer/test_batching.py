@@ -171,3 +171,13 @@ def test_eval_predictions_share_the_batching_and_answer_as_generate_does(varied_
     sampled = {**greedy, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
     first, again = (generate_batched(model, tokenizer, prompts, sampled, 3, stops, seed=5) for _ in range(2))
     assert first == again and first != texts  # a seed repeats the samples, which are not the greedy answers
+
+
+def test_infer_max_batch_one_answers_one_at_a_time_and_zero_is_refused_before_loading(varied_model_dir):
+    from tuneforge.errors import ConfigError
+
+    with Engine.from_config(infer_cfg(varied_model_dir, infer_max_batch=1)) as engine:
+        assert concurrently(lambda i: engine.complete(ask(i), max_tokens=4).choices[0].tokens, 3) == [4, 4, 4]
+        assert engine.stats["batched"] == 0 and engine.batch_rows() == {}
+    with pytest.raises(ConfigError, match="infer_max_batch must be >= 1"):
+        Engine.from_config(infer_cfg(varied_model_dir / "missing", infer_max_batch=0))

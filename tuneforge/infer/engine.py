@@ -8,8 +8,8 @@ that receives the request's events as they happen (job.py: Delta, Finish, Done, 
 - exclusive: one worker thread runs the rest, one at a time, while the batch is held between two steps: a
   sampled request with a `seed` (it draws from the global generator exactly as before batching, so the seed
   gives the same answer), media prompts, beam search, repetition_penalty, a request too long for the shared
-  cache, and reward-model scoring (`score`). With max_batch 1 (`tuneforge api --max-batch 1`) every request
-  takes it: the one-at-a-time server.
+  cache, and reward-model scoring (`score`). With infer_max_batch 1 (`tuneforge api cfg.yaml
+  infer_max_batch=1`) every request takes it: the one-at-a-time server.
 
 On the exclusive path the n answers of a request are the rows of one `model.generate` batch; a stopping
 criterion decodes each new token as it is appended (decode.Output), ends rows at stop strings, and ends all
@@ -56,7 +56,10 @@ STEP_TOKENS = 512  # tokens per forward pass of the batch (prompt chunks and one
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """infer_backend: huggingface is built in; vllm is named with what to do."""
+    """infer_backend: huggingface is built in; vllm is named with what to do. infer_max_batch is at least 1."""
+    if cfg.generate.infer_max_batch < 1:
+        raise ConfigError(f"{cfg.source}: infer_max_batch must be >= 1 (1 = one request at a time), "
+                          f"got {cfg.generate.infer_max_batch}")
     if cfg.generate.infer_backend != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
@@ -138,7 +141,7 @@ class Engine:
         return dict(self._batcher.rows_per_step) if self._batcher is not None else {}
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, *, max_batch: int = MAX_BATCH) -> Engine:
+    def from_config(cls, cfg: RunConfig) -> Engine:
         """Tokenizer and template first (their errors come before the weights load), then the model."""
         from tuneforge.model import load_model_processor, load_tokenizer
         from tuneforge.model.inference import load_inference_model
@@ -151,7 +154,8 @@ class Engine:
         model = load_inference_model(cfg)
         return cls(model, tokenizer, template, cfg.generate, context=context_length(model, cfg.data.cutoff_len),
                    default_system=cfg.data.default_system, name=served_name(cfg), stops=stops, processor=processor,
-                   media=MediaSettings.from_config(cfg), media_root=cfg.data.media_dir, max_batch=max_batch)
+                   media=MediaSettings.from_config(cfg), media_root=cfg.data.media_dir,
+                   max_batch=cfg.generate.infer_max_batch)
 
     # ---- requests
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:

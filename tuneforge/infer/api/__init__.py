@@ -32,16 +32,14 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> Any:
     return _create_app(engine, api_key=api_key)
 
 
-def serve(cfg: RunConfig, *, host: str = "0.0.0.0", port: int = 8000, api_key: str | None = None,
-          max_batch: int = 32) -> None:
-    """Load the model of cfg once and serve it until interrupted; max_batch: answers decoded together (continuous
-    batching), 1 = one request at a time."""
+def serve(cfg: RunConfig, *, host: str = "0.0.0.0", port: int = 8000, api_key: str | None = None) -> None:
+    """Load the model of cfg once and serve it until interrupted."""
     check_installed()  # before the model loads
     import uvicorn
 
     from tuneforge.infer.engine import Engine
 
-    engine = Engine.from_config(cfg, max_batch=max_batch)
+    engine = Engine.from_config(cfg)
     try:
         app = create_app(engine, api_key=api_key)
         logger.info("serving %s on http://%s:%d/v1 (%s)", engine.name, host, port,
