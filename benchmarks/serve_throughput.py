@@ -4,22 +4,18 @@ beside the same server answering one request at a time (`infer_max_batch=1`) and
 
     python benchmarks/serve_throughput.py [--clients 1,16,100] [--max-tokens 32] [--peer] [--peer-clients 16]
                                           [--dtype float32] [--port 8731]
-    python benchmarks/serve_throughput.py --predict [--prompts 32] [--batch 8] [--max-tokens 32]
 
 Each load is ../shared/bench/serve-load.py URL KEY N MAX_TOKENS: N clients at once, each one greedy chat completion
 of at most MAX_TOKENS tokens (a different question each), then the same N requests one after another. Servers run
 one at a time, each in its own process started here and ended by its pid; the first load on a server follows a
 warm-up request. Prints one JSON object: each load's tokens/s, p50 / p95 latency and errors, and the ratios: the
 batched server at 16 clients against the one-at-a-time server at 16 clients, and against LlamaFactory at 16
-clients. With --predict it instead times eval predictions (eval/predict.py generate_batched) on the first alpaca_en_demo
-instructions, greedy, batch rows at a time: continuous batching against the left-padded `generate` batches it
-replaced, and checks the answers are the same. Timing is measured here, never asserted in tests.
+clients. Timing is measured here, never asserted in tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -96,40 +92,6 @@ def ratio(a: dict | None, b: dict | None) -> float | None:
     return round(a["concurrent"]["tok_per_s"] / b["concurrent"]["tok_per_s"], 2)
 
 
-def predict_speed(prompts: int, batch: int, max_tokens: int, dtype: str) -> dict:
-    """Predictions per second of generate_batched, continuous batching vs the left-padded generate batches."""
-    from unittest import mock
-
-    from tuneforge.config import from_dict
-    from tuneforge.eval.predict import generate_batched
-    from tuneforge.infer import batching
-    from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs, render_prompt
-    from tuneforge.model import load_tokenizer
-    from tuneforge.model.inference import load_inference_model
-
-    rows = json.loads((ROOT.parent / "shared" / "data" / "llamafactory" / "alpaca_en_demo.json").read_text())
-    cfg = from_dict({"model_name_or_path": str(builtin_model_dir()), "do_sample": False, "max_new_tokens": max_tokens,
-                     "infer_dtype": dtype}, source="predict-bench", for_training=False)
-    tokenizer = load_tokenizer(cfg.model)
-    template = chat_template(cfg, tokenizer)
-    stops = end_of_turn(tokenizer, template)
-    ids = [render_prompt(tokenizer, template, [{"role": "user", "content": (r["instruction"] + "\n" + r["input"]).strip()}])
-           for r in rows[:prompts]]
-    model = load_inference_model(cfg, value_head=False)
-    kwargs = generate_kwargs(cfg.generate, tokenizer, stops)
-    generate_batched(model, tokenizer, ids[:2], kwargs, batch, stops)  # warm-up
-    runs = {}
-    for name, padded in (("continuous", False), ("padded_generate", True)):
-        with mock.patch.object(batching, "unbatchable", lambda *a: "padded") if padded else contextlib.nullcontext():
-            started = time.perf_counter()
-            texts = generate_batched(model, tokenizer, ids, kwargs, batch, stops)
-            runs[name] = {"seconds": round(time.perf_counter() - started, 2), "texts": texts}
-    same = runs["continuous"]["texts"] == runs["padded_generate"]["texts"]
-    return {"prompts": prompts, "batch": batch, "max_new_tokens": max_tokens, "dtype": dtype, "same_answers": same,
-            **{f"{k}_predictions_per_s": round(prompts / v["seconds"], 3) for k, v in runs.items()},
-            "ratio": round(runs["padded_generate"]["seconds"] / runs["continuous"]["seconds"], 2)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="1,16,100", help="concurrent clients of each load on the batched server")
@@ -139,13 +101,7 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help=f"also load LlamaFactory's api ({PEER.name})")
     parser.add_argument("--peer-clients", default="16", help="loads on the one-at-a-time server and the peer")
     parser.add_argument("--port", type=int, default=8731)
-    parser.add_argument("--predict", action="store_true", help="time eval predictions instead of the server")
-    parser.add_argument("--prompts", type=int, default=32, help="--predict: alpaca_en_demo instructions answered")
-    parser.add_argument("--batch", type=int, default=8, help="--predict: per_device_eval_batch_size")
     args = parser.parse_args()
-    if args.predict:
-        print(json.dumps(predict_speed(args.prompts, args.batch, args.max_tokens, args.dtype)))
-        return
     loads = [int(c) for c in args.clients.split(",")]
     others = [int(c) for c in args.peer_clients.split(",")]
     model = builtin_model_dir()

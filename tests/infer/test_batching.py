@@ -147,32 +147,6 @@ def test_a_hundred_concurrent_api_requests_all_succeed(batched):
     assert all(tokens == 4 for _, tokens in answers)
 
 
-def test_eval_predictions_share_the_batching_and_answer_as_generate_does(varied_model_dir, tokenizer):
-    from unittest import mock
-
-    from transformers import AutoModelForCausalLM
-
-    from tuneforge.eval.predict import generate_batched
-    from tuneforge.infer import batching
-    from tuneforge.infer.generation import Stops
-
-    model = AutoModelForCausalLM.from_pretrained(varied_model_dir).eval()
-    prompts = [tokenizer(q)["input_ids"] for q in QUESTIONS]
-    stops = Stops((tokenizer.eos_token_id,), ())
-    greedy = {"do_sample": False, "max_new_tokens": 12, "pad_token_id": tokenizer.pad_token_id,
-              "eos_token_id": [tokenizer.eos_token_id]}
-    with mock.patch.object(batching, "complete_all", wraps=batching.complete_all) as spy:
-        texts = generate_batched(model, tokenizer, prompts, greedy, 3, stops)
-    assert spy.call_count == 1 and spy.call_args.kwargs["rows"] == 3
-    for prompt, text in zip(prompts, texts, strict=True):
-        ids = torch.tensor([prompt])
-        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
-        assert text == tokenizer.decode(alone[0, len(prompt):], skip_special_tokens=True).strip()
-    sampled = {**greedy, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
-    first, again = (generate_batched(model, tokenizer, prompts, sampled, 3, stops, seed=5) for _ in range(2))
-    assert first == again and first != texts  # a seed repeats the samples, which are not the greedy answers
-
-
 def test_infer_max_batch_one_answers_one_at_a_time_and_zero_is_refused_before_loading(varied_model_dir):
     from tuneforge.errors import ConfigError
 

@@ -102,35 +102,15 @@ def _cut(ids: list[int], stop_ids: set[int]) -> list[int]:
 @torch.no_grad()
 def generate_batched(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[list[int]], gen_kwargs: dict,
                      batch_size: int, stops: Any, skip_special_tokens: bool = True,
-                     media: Sequence[dict[str, Any]] | None = None, seed: int | None = None) -> list[str]:
-    """The answer to each prompt (in order). Text prompts go through continuous batching (infer/batching.py, as
-    `tuneforge api` does), batch_size rows at a time, a finished row replaced by the next prompt at the next step;
-    otherwise (media, beam search, repetition_penalty, several processes) batch_size prompts per `generate`,
-    left-padded, longest first, media joined per batch as the processor joins them. seed: where sampling starts
-    (sampled answers then repeat from run to run)."""
+                     media: Sequence[dict[str, Any]] | None = None) -> list[str]:
+    """The answer to each prompt (in order), batch_size prompts per `generate`, left-padded, longest first.
+    media: each prompt's media inputs (a vision-language model), joined per batch as the processor joins them."""
     from tuneforge.data.multimodal import left_padded_media
-    from tuneforge.infer.batching import RowSampling, complete_all, unbatchable
 
     device = next(model.parameters()).device
     pad = gen_kwargs.get("pad_token_id", tokenizer.pad_token_id)
     stop_ids = set(stops.token_ids)
     texts: list[str] = [""] * len(prompts)
-
-    def answer(row: int, generated: list[int]) -> None:
-        text = tokenizer.decode(_cut(generated, stop_ids), skip_special_tokens=skip_special_tokens)
-        for s in stops.strings:
-            text = text.split(s)[0]
-        texts[row] = text.strip()
-
-    if not media and unbatchable(model, gen_kwargs.get("num_beams", 1), gen_kwargs.get("repetition_penalty", 1.0)
-                                 ) is None:
-        sampling = RowSampling(not gen_kwargs.get("do_sample"), gen_kwargs.get("temperature") or 1.0,
-                               gen_kwargs.get("top_k") or 0, gen_kwargs.get("top_p") or 1.0)
-        for row, generated in enumerate(complete_all(model, prompts, max_new_tokens=gen_kwargs["max_new_tokens"],
-                                                     stop_ids=sorted(stop_ids), sampling=sampling, rows=batch_size,
-                                                     seed=seed)):
-            answer(row, generated)
-        return texts
     started, logged, done = time.monotonic(), time.monotonic(), 0
     for rows, ids, mask in left_padded_batches(prompts, batch_size, pad, device):
         done += len(rows)
@@ -139,7 +119,10 @@ def generate_batched(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[l
         extra = {k: v.to(device) for k, v in extra.items()}
         out = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, **gen_kwargs, **extra)
         for row, generated in zip(rows, out[:, width:].tolist(), strict=True):
-            answer(row, generated)
+            text = tokenizer.decode(_cut(generated, stop_ids), skip_special_tokens=skip_special_tokens)
+            for s in stops.strings:
+                text = text.split(s)[0]
+            texts[row] = text.strip()
         if time.monotonic() - logged > 15:
             logged = time.monotonic()
             logger.info("answered %d / %d prompts (%.0f s)", done, len(prompts), logged - started)
@@ -172,8 +155,7 @@ def predict(cfg: Any, out_dir: Path) -> dict[str, Any]:
                 cfg.generate.max_new_tokens, "sampling" if kwargs["do_sample"] else "greedy")
     started = time.perf_counter()
     texts = generate_batched(model, tokenizer, [s.prompt_ids for s in samples], kwargs, batch_size, stops,
-                             cfg.generate.skip_special_tokens, [s.media for s in samples] if processor else None,
-                             seed=cfg.train.seed)
+                             cfg.generate.skip_special_tokens, [s.media for s in samples] if processor else None)
     runtime = time.perf_counter() - started
     labels = [s.label for s in samples]
     scores = metrics.similarity(texts, labels)

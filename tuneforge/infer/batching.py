@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +64,7 @@ def unbatchable(model: Any, num_beams: int = 1, repetition_penalty: float = 1.0)
     return None
 
 
-def manager(model: Any, *, max_rows: int, cache_blocks: int, step_tokens: int, seed: int | None = None) -> Any:
+def manager(model: Any, *, max_rows: int, cache_blocks: int, step_tokens: int) -> Any:
     """transformers' ContinuousBatchingManager for model (not started): at most max_rows rows per step, a paged KV
     cache of cache_blocks blocks of PAGE tokens, step_tokens tokens per forward pass."""
     from transformers import GenerationConfig
@@ -75,42 +75,24 @@ def manager(model: Any, *, max_rows: int, cache_blocks: int, step_tokens: int, s
     config = GenerationConfig(do_sample=True, temperature=0.5, top_k=2, top_p=0.5, max_new_tokens=16, eos_token_id=-1)
     cb = ContinuousBatchingConfig(num_blocks=cache_blocks, page_size=PAGE, max_batch_tokens=step_tokens,
                                   max_requests_per_batch=max_rows, per_request_processors=True,
-                                  auto_switch_to_flash=False, seed=seed)
+                                  auto_switch_to_flash=False)
     return model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
 
 
-@torch.no_grad()
-def complete_all(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
-                 sampling: RowSampling, rows: int, seed: int | None = None) -> list[list[int]]:
-    """The completion of each prompt (token ids, up to and including the stop token that ended it), `rows` prompts
-    decoded together: a row that ends makes room for the next prompt at the next step, so no row waits for the
-    longest of a batch and no padding is computed. Every prompt is added before the loop starts, so the schedule
-    (and with a seed, the samples) repeats from run to run."""
-    if not prompts:
-        return []
-    blocks = rows * -(-(max(len(p) for p in prompts) + max_new_tokens) // PAGE)  # rows of the longest, at once
-    runner = manager(model, max_rows=rows, cache_blocks=blocks, step_tokens=max(512, 2 * rows), seed=seed)
-    vocab = model.config.get_text_config().vocab_size
-    for i, prompt in enumerate(prompts):
-        runner.add_request(list(prompt), request_id=str(i), max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                           **sampling.kwargs(vocab))
-    completions: dict[int, list[int]] = {}
-    with torch.inference_mode():
-        runner.start()
-    try:
-        while len(completions) < len(prompts):
-            out = runner.get_result(timeout=1)
-            if out is None:
-                if not runner.is_running():
-                    raise RuntimeError("batched generation stopped before every prompt was answered (see the log)")
-                continue
-            if out.error:
-                raise RuntimeError(f"batched generation failed: {out.error}")
-            if out.is_finished():
-                completions[int(out.request_id)] = list(out.generated_tokens)
-    finally:
-        runner.stop(block=True)
-    return [completions[i] for i in range(len(prompts))]
+def _logits_of_sampled_rows_only(_module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A forward pre-hook: the LM head runs only at the positions that sample a token (one per row).
+
+    transformers' manager passes `logits_indices` (the last token of each row) but no `logits_to_keep`, so the
+    model projects every prompt token onto the vocabulary and the manager then keeps one row each: on a small
+    model with a large vocabulary (SmolLM2: 49k) that is most of a prefill step. Here the model gets
+    logits_to_keep = those positions, and the manager's own index tensor (read after the forward to pick the rows)
+    is rewritten in place to 0..n-1, the rows of the already-cut logits; the manager fills it anew every step."""
+    positions = kwargs.get("logits_indices")
+    if positions is None or "logits_to_keep" in kwargs:
+        return args, kwargs
+    kwargs["logits_to_keep"] = positions.clone()
+    positions.copy_(torch.arange(positions.numel(), dtype=positions.dtype, device=positions.device))
+    return args, kwargs
 
 
 @dataclass
@@ -137,7 +119,8 @@ class Batcher:
         self._on_done = on_done  # called with (job, generated tokens) when a request ends (the engine's stats)
         self.manager = manager(model, max_rows=max_rows, cache_blocks=-(-cache_tokens // PAGE), step_tokens=step_tokens)
         self.rows_per_step: dict[int, int] = {}
-        self._hook = model.register_forward_pre_hook(self._count_rows, with_kwargs=True)
+        self._hooks = [model.register_forward_pre_hook(self._count_rows, with_kwargs=True),
+                       model.register_forward_pre_hook(_logits_of_sampled_rows_only, with_kwargs=True)]
         self._running: dict[int, _Running] = {}
         self._owner: dict[str, _Running] = {}  # request id -> its request
         self._lock = threading.Lock()
@@ -283,4 +266,5 @@ class Batcher:
             self.manager.stop(block=True, timeout=60)
         self._closed.set()
         self._reader.join(timeout=10)
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
