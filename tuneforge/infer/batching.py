@@ -7,8 +7,8 @@ answers as n rows, reads each row's new tokens after every step (one reader thre
 
 What transformers' manager cannot do stays with the engine's exclusive path (engine.py decides per request):
 its sampling draws every row from one global generator (torch.multinomial without a generator), so a request
-with a `seed` would not get its own samples back; beam search, repetition_penalty and media inputs are not
-supported by it. `pause()` stops the batch between steps while the exclusive path runs, so nothing else draws
+with a `seed` would not get its own samples back; it has no beam search, takes prompts as token ids only (no
+pixel values), and repetition_penalty is not among its per-request processors. `pause()` stops the batch between steps while the exclusive path runs, so nothing else draws
 from the global generator meanwhile (a seed reproduces exactly what it did before batching).
 
 Per-row sampling uses the manager's per-request temperature / top_k / top_p processors; a greedy row is a row
