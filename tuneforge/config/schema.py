@@ -460,6 +460,7 @@ class GenerateArgs:
     length_penalty: float = opt(1.0, help="beam search: exponent of the length normalization")
     skip_special_tokens: bool = opt(True, help="drop special tokens from generated text")
     infer_backend: str = opt("huggingface", choices=INFER_BACKENDS, help="generation engine: huggingface or vllm")
+    infer_max_batch: int = opt(32, help="chat / api: answers decoded together (continuous batching); 1 = one request at a time")
     infer_dtype: str = opt("auto", choices=INFER_DTYPES, help="weights' dtype for inference (auto: bf16/fp16 on GPU, fp32 on CPU)")
     vllm_maxlen: int = opt(4096, help="vllm: maximum sequence length (prompt + answer)")
     vllm_gpu_util: float = opt(0.7, help="vllm: share of GPU memory to use (0-1)")

@@ -1,16 +1,21 @@
 """The generation engine behind `tuneforge chat` and `tuneforge api` (infer_backend: huggingface).
 
-One model, loaded once, and one worker thread that runs the requests from a queue, one after another:
-many clients at once never share a forward pass, so their answers cannot mix and a request's `seed`
-reproduces its samples. A request (`submit`) is a prompt's token ids, its `Sampling` settings and a
-sink that receives the request's events as they happen (job.py: Delta, Finish, Done, Failed).
+One model, loaded once. A request (`submit`) is a prompt's token ids, its `Sampling` settings and a sink
+that receives the request's events as they happen (job.py: Delta, Finish, Done, Failed). Two paths:
 
-The n answers of a request are the rows of one `model.generate` batch. A stopping criterion reads each
-new token as it is appended, decodes it (decode.Output), ends rows at stop strings, and ends all rows
-when the job is cancelled (`Job.cancel()`: the client went away), so a cancelled request stops within
-one token. The context is the model's max_position_embeddings: a longer prompt is refused
-(PromptTooLongError), and an answer never runs past it. Reward models (a ValueHeadModel) also score
-texts (`score`), on the same worker.
+- batched (batching.py, the default): concurrent requests share each decode step (transformers' continuous
+  batching): a request's n answers join the running batch as rows when it arrives and leave it when they end.
+- exclusive: one worker thread runs the rest, one at a time, while the batch is held between two steps: a
+  sampled request with a `seed` (it draws from the global generator exactly as before batching, so the seed
+  gives the same answer), media prompts, beam search, repetition_penalty, a request too long for the shared
+  cache, and reward-model scoring (`score`). With infer_max_batch 1 (`tuneforge api cfg.yaml
+  infer_max_batch=1`) every request takes it: the one-at-a-time server.
+
+On the exclusive path the n answers of a request are the rows of one `model.generate` batch; a stopping
+criterion decodes each new token as it is appended (decode.Output), ends rows at stop strings, and ends all
+rows when the job is cancelled (`Job.cancel()`: the client went away). Either way a cancelled request stops
+within one token. The context is the model's max_position_embeddings: a longer prompt is refused
+(PromptTooLongError), and an answer never runs past it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +36,7 @@ from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.data.media import COLUMN_OF, MediaSettings, supported_media
 from tuneforge.data.multimodal import prompt_inputs, repeat_inputs
 from tuneforge.errors import ConfigError, TuneforgeError
+from tuneforge.infer.batching import Batcher, RowSampling, unbatchable
 from tuneforge.infer.decode import Output
 from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs, render_prompt
 from tuneforge.infer.job import CancelOnly, Choice, Completion, Delta, Done, Failed, Finish, Job, Watch, feed
@@ -43,10 +50,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SCORE_BATCH = 8  # texts per forward pass of the reward model
+MAX_BATCH = 32  # rows (answers) decoded together by default
+CACHE_TOKENS = 16384  # the batch's paged KV cache (prompts and answers of the rows in it)
+STEP_TOKENS = 512  # tokens per forward pass of the batch (prompt chunks and one token of each decoding row)
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """infer_backend: huggingface is built in; vllm is named with what to do."""
+    """infer_backend: huggingface is built in; vllm is named with what to do. infer_max_batch is at least 1."""
+    if cfg.generate.infer_max_batch < 1:
+        raise ConfigError(f"{cfg.source}: infer_max_batch must be >= 1 (1 = one request at a time), "
+                          f"got {cfg.generate.infer_max_batch}")
     if cfg.generate.infer_backend != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
@@ -81,14 +94,16 @@ class Engine:
     prompt_ids(messages, tools) -> token ids; sampling(prompt_tokens, **options) -> Sampling;
     submit(ids, sampling, sink) -> Job; stream(messages, tools=, **options) -> events;
     complete(messages, tools=, **options) -> Completion; score / score_future(texts) for a reward model;
-    close(). `stats` counts requests, finished, cancelled, failed and generated_tokens."""
+    close(). `stats` counts requests, finished, cancelled, failed, generated_tokens, and batched (requests that
+    ran on the batched path); `batch_rows()` counts the batch's forward passes by their number of rows."""
 
     def __init__(self, model: Any, tokenizer: Any, template: ChatTemplate, gen: GenerateArgs, *,
                  context: int, default_system: str | None = None, name: str = "model",
                  stops: Stops | None = None, processor: Any = None, media: MediaSettings | None = None,
-                 media_root: str | None = None) -> None:
+                 media_root: str | None = None, max_batch: int = MAX_BATCH) -> None:
         """processor: a vision- / audio-language model's processor (messages may then carry `images` / `audios`);
-        media: how they are prepared (the config's image_* / audio_* keys)."""
+        media: how they are prepared (the config's image_* / audio_* keys); max_batch: rows decoded together
+        (1: one request at a time)."""
         self.tokenizer, self.template, self.gen = tokenizer, template, gen
         self.processor, self.media = processor, media or MediaSettings()
         self.media_root = media_root  # the only folder whose files API clients may name (None: no local files)
@@ -97,12 +112,33 @@ class Engine:
         self.device = next(model.parameters()).device
         self.stops = stops or end_of_turn(tokenizer, template)
         self.context, self.default_system, self.name = context, default_system, name
-        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
+        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0, "batched": 0}
         self._stats_lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
+        self._batcher = self._start_batching(max_batch)
         self._worker = threading.Thread(target=self._work, name="tuneforge-engine", daemon=True)
         self._worker.start()
+
+    def _start_batching(self, max_batch: int) -> Batcher | None:
+        """The batched path, unless max_batch is 1 or the settings need generate (said in the log)."""
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1 (got {max_batch})")
+        why = ("max_batch is 1" if max_batch == 1 else "the model reads media" if self.processor is not None else
+               unbatchable(self.lm, self.gen.num_beams, self.gen.repetition_penalty))
+        if why:
+            logger.info("requests are answered one at a time: %s", why)
+            return None
+        try:
+            return Batcher(self.lm, max_rows=max_batch, cache_tokens=CACHE_TOKENS, step_tokens=STEP_TOKENS,
+                           on_done=self._batch_done)
+        except Exception as e:  # an architecture transformers' continuous batching does not take
+            logger.warning("requests are answered one at a time: continuous batching failed to start: %s", e)
+            return None
+
+    def batch_rows(self) -> dict[int, int]:
+        """Forward passes of the batched path by their number of rows ({} when it is off)."""
+        return dict(self._batcher.rows_per_step) if self._batcher is not None else {}
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Engine:
@@ -118,7 +154,8 @@ class Engine:
         model = load_inference_model(cfg)
         return cls(model, tokenizer, template, cfg.generate, context=context_length(model, cfg.data.cutoff_len),
                    default_system=cfg.data.default_system, name=served_name(cfg), stops=stops, processor=processor,
-                   media=MediaSettings.from_config(cfg), media_root=cfg.data.media_dir)
+                   media=MediaSettings.from_config(cfg), media_root=cfg.data.media_dir,
+                   max_batch=cfg.generate.infer_max_batch)
 
     # ---- requests
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -168,8 +205,33 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         job = Job(prompt_ids, params, sink, media or {})
-        self._queue.put(lambda: self._run(job))
+        if self._batcher is not None and self._batchable(job):
+            self._count(requests=1, batched=1)
+            self._batcher.add(job, self._outputs(params), self._row_sampling(params), list(self.stops.token_ids))
+        else:
+            self._queue.put(lambda: self._run(job))
         return job
+
+    def _batchable(self, job: Job) -> bool:
+        s = job.sampling
+        seeded = s.seed is not None and not self._row_sampling(s).greedy
+        return not job.media and not seeded and self._batcher.fits(len(job.prompt_ids), s.max_new_tokens, s.n)
+
+    def _row_sampling(self, s: Sampling) -> RowSampling:
+        """The request's sampling as generate_kwargs resolves it (a temperature given: sampled iff > 0)."""
+        temperature = self.gen.temperature if s.temperature is None else s.temperature
+        sample = (self.gen.do_sample if s.temperature is None else True) and temperature > 0
+        top_p = self.gen.top_p if s.top_p is None else s.top_p
+        return RowSampling(False, temperature, self.gen.top_k, top_p) if sample else RowSampling(True)
+
+    def _outputs(self, s: Sampling) -> list[Output]:
+        skip = self.gen.skip_special_tokens if s.skip_special_tokens is None else s.skip_special_tokens
+        return [Output(self.tokenizer, self.stops.token_ids, self.stops.strings + s.stop, skip_special_tokens=skip)
+                for _ in range(s.n)]
+
+    def _batch_done(self, job: Job, tokens: int, *, cancelled: bool, failed: bool) -> None:
+        outcome = "failed" if failed else "cancelled" if cancelled else "finished"
+        self._count(generated_tokens=tokens, **{outcome: 1})
 
     def stream(self, messages: list[dict[str, Any]], *, tools: list | None = None,
                **options: Any) -> Iterator[Delta | Finish | Done]:
@@ -252,7 +314,8 @@ class Engine:
             if task is None:
                 return
             try:
-                task()
+                with self._batcher.pause() if self._batcher is not None else nullcontext():
+                    task()
             except Exception:  # a task reports its own errors; this is a bug in the engine
                 logger.exception("engine task failed")
 
@@ -289,9 +352,7 @@ class Engine:
         kwargs.pop("stop_strings", None)  # stop strings are cut from the decoded text (decode.Output)
         kwargs.pop("tokenizer", None)
         kwargs["max_new_tokens"] = s.max_new_tokens
-        skip = gen.skip_special_tokens if s.skip_special_tokens is None else s.skip_special_tokens
-        outputs = [Output(self.tokenizer, self.stops.token_ids, self.stops.strings + s.stop,
-                          skip_special_tokens=skip) for _ in range(s.n)]
+        outputs = self._outputs(s)
         prompt = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.device)
         beams = gen.num_beams > 1
         rows = 1 if beams else s.n
@@ -325,11 +386,13 @@ class Engine:
         return outputs
 
     def close(self) -> None:
-        """Stop the worker after the queued requests."""
+        """Stop the worker after the queued requests, and the batch after its rows."""
         if not self._closed:
             self._closed = True
             self._queue.put(None)
             self._worker.join(timeout=60)
+            if self._batcher is not None:
+                self._batcher.close()
 
     def __enter__(self) -> Engine:
         return self
