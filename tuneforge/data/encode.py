@@ -245,13 +245,14 @@ def encode_supervised(
                                         settings=settings, media_settings=media_settings, row_numbers=row_numbers)
     rendered: list[tuple[int, str, list[tuple[int, int]], list[bool] | None]] = []
     status = ["bad"] * len(indices)
+    layouts = template.Layouts()  # the batch's conversation shapes: each renders its prefixes once
     for i, row in enumerate(batch_rows(batch)):
         try:
             conv = formats.to_conversation(row, attr, default_system=settings.default_system)
             if conv.media:  # media parts of a LlamaFactory v1 row
                 raise BadRow(f"the row has {', '.join(conv.media)} media, but the model reads text only; use a "
                              f"vision- or audio-language model")
-            text, spans = template.render(tokenizer, chat, conv)
+            text, spans = template.render(tokenizer, chat, conv, layouts=layouts)
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue
