@@ -133,3 +133,36 @@ def test_a_repeated_shape_renders_once_per_conversation(tokenizer, monkeypatch):
     encoded(tokenizer, chat, rows, SETTINGS[0])
     # row 1 renders its 4 prefixes and itself (5); the marked shape 1 + 4; each of the other 9 rows once
     assert len(calls) == 5 + 5 + 9
+
+
+PAIR_ATTR = parse_entry("pairs", {"file_name": "pairs.json", "formatting": "sharegpt", "ranking": True,
+                                  "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected",
+                                              "system": "system"}})
+FEEDBACK_ATTR = parse_entry("fb", {"file_name": "fb.json", "formatting": "sharegpt",
+                                   "columns": {"messages": "conversations", "kto_tag": "kto_tag", "system": "system"}})
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "qwen3", "gemma", "default"])
+def test_preference_encoders_match_prefix_rendering(bare, monkeypatch, name):
+    """Pairs and kto rows give the same columns as when every conversation renders its prefixes."""
+    from tuneforge.data.encode_pref import encode_feedback, encode_pairwise
+
+    chat = template.ChatTemplate(name, template.TEMPLATES[name])
+    settings = EncodeSettings(stage="dpo", cutoff_len=48, skip_bad_rows=True)
+    sources = [r for r in ROWS if len(r["conversations"]) >= 2 and not r["tools"]]
+    pairs = [{"conversations": r["conversations"][:-1], "system": r["system"],
+              "chosen": r["conversations"][-1], "rejected": {"from": "gpt", "value": f"no {i}"}}
+             for i, r in enumerate(sources)]
+    feedback = [{"conversations": r["conversations"], "system": r["system"], "kto_tag": i % 2 == 0}
+                for i, r in enumerate(sources)]
+
+    def run():
+        kw = {"tokenizer": bare, "chat": chat, "settings": settings}
+        return (encode_pairwise({k: [p[k] for p in pairs] for k in pairs[0]}, list(range(len(pairs))),
+                                attr=PAIR_ATTR, **kw),
+                encode_feedback({k: [f[k] for f in feedback] for k in feedback[0]}, list(range(len(feedback))),
+                                attr=FEEDBACK_ATTR, **kw))
+
+    batched = run()
+    monkeypatch.setattr(template.Layouts, "spans", lambda self, *a: None)
+    assert batched == run()

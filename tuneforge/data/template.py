@@ -6,6 +6,10 @@ rendering prefixes: the text of `messages[:i]` with the generation prompt ends w
 starts, and the text of `messages[:i + 1]` ends where it stops. Characters map to tokens through the fast
 tokenizer's offset mapping; a token that overlaps a span is supervised.
 
+Rows of a dataset mostly share a few shapes (roles in order, tools): the encoders pass a per-batch `Layouts`, so a
+conversation whose shape was met before renders once and takes its spans from the shape's layout when its text is
+that layout's with its contents put in (else it renders its prefixes).
+
 A supervised span is the assistant's content plus the template's end-of-turn marker (`<|im_end|>`,
 `<|eot_id|>`, `</s>`): the model must learn to stop. Whitespace that the template writes after the
 marker (ChatML's newline) stays unsupervised: generation stops at the marker, so the model never
@@ -228,7 +232,8 @@ def _trim_end(full: str, start: int, end: int) -> int:
     return end
 
 
-# A stand-in for message j's content while a conversation shape is rendered: private-use characters no text holds.
+# A stand-in for message j's content while a conversation shape is rendered (private-use characters; a content
+# holding one renders its prefixes)
 _MARK = "\ue000{}\ue001"
 
 
