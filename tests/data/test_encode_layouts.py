@@ -166,3 +166,17 @@ def test_preference_encoders_match_prefix_rendering(bare, monkeypatch, name):
     batched = run()
     monkeypatch.setattr(template.Layouts, "spans", lambda self, *a: None)
     assert batched == run()
+
+
+def test_the_garbage_collector_is_back_on_after_a_batch_even_one_that_fails(tokenizer):
+    import gc
+
+    from tuneforge.errors import DataError
+
+    chat = template.resolve_template(None, tokenizer)
+    encoded(tokenizer, chat, ROWS[:2], SETTINGS[0])
+    assert gc.isenabled()
+    bad = [row("only a question")]  # no answer: a bad row, and skip_bad_rows is off
+    with pytest.raises(DataError, match="row 0"):
+        encoded(tokenizer, chat, bad, EncodeSettings(stage="sft", cutoff_len=64))
+    assert gc.isenabled()

@@ -8,6 +8,9 @@ registers them all by name, and a stage's row in tuneforge/stages.py names the o
 
 from __future__ import annotations
 
+import functools
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +227,26 @@ def source_row(indices: list[int], i: int, row_numbers: list[int] | None) -> int
     return row_numbers[indices[i]] if row_numbers is not None else indices[i]
 
 
+def gc_paused(encoder: Callable[..., dict[str, list]]) -> Callable[..., dict[str, list]]:
+    """Run a batch encoder with Python's cyclic garbage collector paused.
+
+    A batch allocates millions of small objects (ids, labels, offset pairs) that reference counting frees; left on,
+    the collector walks them again and again (about a tenth of the sft encoder's time on a 10k-row sharegpt set)."""
+
+    @functools.wraps(encoder)
+    def paused(*args: Any, **kwargs: Any) -> dict[str, list]:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return encoder(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@gc_paused
 def encode_supervised(
     batch: dict[str, list],
     indices: list[int],

@@ -25,6 +25,7 @@ from tuneforge.data.encode import (
     IGNORE_INDEX,
     EncodeSettings,
     batch_rows,
+    gc_paused,
     source_row,
     split_budget,
     stop_unless_skipping,
@@ -186,6 +187,7 @@ def _finish(out: dict[str, list], prefixes: tuple[str, ...], status: list[str]) 
     return out
 
 
+@gc_paused
 def encode_pairwise(
     batch: dict[str, list],
     indices: list[int],
@@ -228,6 +230,7 @@ def encode_pairwise(
     return _finish(out, prefixes, status)
 
 
+@gc_paused
 def encode_feedback(
     batch: dict[str, list],
     indices: list[int],
