@@ -17,7 +17,8 @@ so the two write the same token ids; the ratio line says whether they did, row b
 design: LlamaFactory also trains the newline after <|im_end|>.)
 
 Prints one JSON line per measurement (seconds: the best of --repeat; cpu_seconds: of all its processes) and a
-ratio line per dataset. Timing is measured, never asserted; run it on a quiet machine (`nice` does not keep other
+ratio line per dataset; PREP_KEEP=DIR keeps the generated data and both token id files (.npy) there. Timing is
+measured, never asserted; run it on a quiet machine (`nice` does not keep other
 load from slowing both).
 """
 
