@@ -8,6 +8,9 @@ registers them all by name, and a stage's row in tuneforge/stages.py names the o
 
 from __future__ import annotations
 
+import functools
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +227,26 @@ def source_row(indices: list[int], i: int, row_numbers: list[int] | None) -> int
     return row_numbers[indices[i]] if row_numbers is not None else indices[i]
 
 
+def gc_paused(encoder: Callable[..., dict[str, list]]) -> Callable[..., dict[str, list]]:
+    """Run a batch encoder with Python's cyclic garbage collector paused.
+
+    A batch allocates millions of small objects (ids, labels, offset pairs) that reference counting frees; left on,
+    the collector walks them again and again (about a tenth of the sft encoder's time on a 10k-row sharegpt set)."""
+
+    @functools.wraps(encoder)
+    def paused(*args: Any, **kwargs: Any) -> dict[str, list]:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return encoder(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@gc_paused
 def encode_supervised(
     batch: dict[str, list],
     indices: list[int],
@@ -245,13 +268,14 @@ def encode_supervised(
                                         settings=settings, media_settings=media_settings, row_numbers=row_numbers)
     rendered: list[tuple[int, str, list[tuple[int, int]], list[bool] | None]] = []
     status = ["bad"] * len(indices)
+    layouts = template.Layouts()  # the batch's conversation shapes: each renders its prefixes once
     for i, row in enumerate(batch_rows(batch)):
         try:
             conv = formats.to_conversation(row, attr, default_system=settings.default_system)
             if conv.media:  # media parts of a LlamaFactory v1 row
                 raise BadRow(f"the row has {', '.join(conv.media)} media, but the model reads text only; use a "
                              f"vision- or audio-language model")
-            text, spans = template.render(tokenizer, chat, conv)
+            text, spans = template.render(tokenizer, chat, conv, layouts=layouts)
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue

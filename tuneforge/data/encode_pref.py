@@ -25,6 +25,7 @@ from tuneforge.data.encode import (
     IGNORE_INDEX,
     EncodeSettings,
     batch_rows,
+    gc_paused,
     source_row,
     split_budget,
     stop_unless_skipping,
@@ -101,9 +102,11 @@ def answer_message(answer: str | dict[str, Any]) -> dict[str, Any]:
 
 
 def render_answer(
-    tokenizer: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str | dict[str, Any]
+    tokenizer: Any, chat: template.ChatTemplate, prompt: Conversation, answer: str | dict[str, Any],
+    layouts: template.Layouts | None = None,
 ) -> tuple[str, tuple[int, int]]:
-    """The text of prompt + the assistant's answer, and the character span of that answer's turn."""
+    """The text of prompt + the assistant's answer, and the character span of that answer's turn (layouts: the
+    batch's, template.Layouts)."""
     if prompt.media:
         raise BadRow(f"the row has {', '.join(prompt.media)} media, but the model reads text only; use a vision- or "
                      f"audio-language model")
@@ -112,7 +115,7 @@ def render_answer(
         tools=prompt.tools,
         messages=[dict(m) for m in prompt.messages] + [answer_message(answer)],
     )
-    text, spans = template.render(tokenizer, chat, conv)
+    text, spans = template.render(tokenizer, chat, conv, layouts=layouts)
     return text, spans[-1]
 
 
@@ -184,6 +187,7 @@ def _finish(out: dict[str, list], prefixes: tuple[str, ...], status: list[str]) 
     return out
 
 
+@gc_paused
 def encode_pairwise(
     batch: dict[str, list],
     indices: list[int],
@@ -202,6 +206,7 @@ def encode_pairwise(
     status = ["bad"] * len(indices)
     prefixes = SEQUENCE_PREFIXES["pairwise"]
     out = _empty_columns(prefixes, len(indices), media=processor is not None)
+    layouts = template.Layouts()
     for i, row in enumerate(batch_rows(batch)):
         try:
             pair = formats.to_pairwise(row, attr, default_system=settings.default_system)
@@ -213,7 +218,7 @@ def encode_pairwise(
                 _store(out, prefixes, i, group)
                 _store_media(out, prefixes, i, blobs)
                 continue
-            texts = [render_answer(tokenizer, chat, pair.prompt, a) for a in (pair.chosen, pair.rejected)]
+            texts = [render_answer(tokenizer, chat, pair.prompt, a, layouts) for a in (pair.chosen, pair.rejected)]
         except BadRow as e:
             stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
             continue
@@ -225,6 +230,7 @@ def encode_pairwise(
     return _finish(out, prefixes, status)
 
 
+@gc_paused
 def encode_feedback(
     batch: dict[str, list],
     indices: list[int],
@@ -249,6 +255,8 @@ def encode_feedback(
     def bad(i: int, e: BadRow) -> None:
         stop_unless_skipping(e, attr, settings, source_row(indices, i, row_numbers))
 
+    layouts = template.Layouts()
+
     for i, row in enumerate(batch_rows(batch)):
         try:
             fb = formats.to_feedback(row, attr, default_system=settings.default_system)
@@ -256,7 +264,7 @@ def encode_feedback(
                 fb.prompt.media = row_media(row, attr.columns)
                 parsed.append((i, fb, ("", (0, 0))))  # rendered with the KL pair below
             else:
-                parsed.append((i, fb, render_answer(tokenizer, chat, fb.prompt, fb.completion)))
+                parsed.append((i, fb, render_answer(tokenizer, chat, fb.prompt, fb.completion, layouts)))
         except BadRow as e:
             bad(i, e)
     if processor is not None:
@@ -265,7 +273,7 @@ def encode_feedback(
     for k, (i, fb, own) in enumerate(parsed):
         other = parsed[(k + 1) % len(parsed)][1].completion
         try:  # both halves rendered on their own; a template could still refuse the mix
-            pairs.append((i, fb, [own, render_answer(tokenizer, chat, fb.prompt, other)]))
+            pairs.append((i, fb, [own, render_answer(tokenizer, chat, fb.prompt, other, layouts)]))
         except BadRow as e:
             bad(i, e)
     prefixes = SEQUENCE_PREFIXES["feedback"]

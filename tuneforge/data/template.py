@@ -6,6 +6,10 @@ rendering prefixes: the text of `messages[:i]` with the generation prompt ends w
 starts, and the text of `messages[:i + 1]` ends where it stops. Characters map to tokens through the fast
 tokenizer's offset mapping; a token that overlaps a span is supervised.
 
+Rows of a dataset mostly share a few shapes (roles in order, tools): the encoders pass a per-batch `Layouts`, so a
+conversation whose shape was met before renders once and takes its spans from the shape's layout when its text is
+that layout's with its contents put in (else it renders its prefixes).
+
 A supervised span is the assistant's content plus the template's end-of-turn marker (`<|im_end|>`,
 `<|eot_id|>`, `</s>`): the model must learn to stop. Whitespace that the template writes after the
 marker (ChatML's newline) stays unsupervised: generation stops at the marker, so the model never
@@ -183,12 +187,14 @@ def render_prompt(
 
 
 def render(
-    tokenizer: Any, template: ChatTemplate, conv: Conversation, messages: list[dict[str, Any]] | None = None
+    tokenizer: Any, template: ChatTemplate, conv: Conversation, messages: list[dict[str, Any]] | None = None,
+    layouts: Layouts | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The text of the whole conversation and the character span of each assistant turn.
 
     tokenizer: a tokenizer or a processor (anything with apply_chat_template); messages: the conversation's
-    messages as that template takes them (default: text contents, conv.chat_messages())."""
+    messages as that template takes them (default: text contents, conv.chat_messages()); layouts: the spans of
+    conversation shapes already seen in this batch (Layouts), so a repeated shape is rendered once, not per prefix."""
     messages = messages if messages is not None else conv.chat_messages()
     if template.thinking is False:  # trained to answer without thinking: no reasoning is learned
         messages = [without_reasoning(m) if m["role"] == "assistant" else m for m in messages]
@@ -199,6 +205,13 @@ def render(
     # once for the whole conversation: each prefix below renders the same messages
     messages, tools = with_tool_format(template, messages, parse_tools(conv.tools))
     full = _render(tokenizer, template, messages, tools, False)
+    found = layouts.spans(tokenizer, template, messages, tools, full) if layouts is not None else None
+    return full, found if found is not None else _prefix_spans(tokenizer, template, messages, tools, full)
+
+
+def _prefix_spans(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | None,
+                  full: str) -> list[tuple[int, int]]:
+    """Each assistant turn's span, found by rendering the prefixes that end before and after it."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
@@ -207,11 +220,124 @@ def render(
         before = _render(tokenizer, template, messages[:i], tools, True)
         through = _render(tokenizer, template, messages[: i + 1], tools, False)
         start, end = _locate(full, before, through, _text_of(message["content"]), cursor, i)
-        while end > start and full[end - 1].isspace():  # whitespace after the end-of-turn marker
-            end -= 1
+        end = _trim_end(full, start, end)
         spans.append((start, end))
         cursor = end
-    return full, spans
+    return spans
+
+
+def _trim_end(full: str, start: int, end: int) -> int:
+    while end > start and full[end - 1].isspace():  # whitespace after the end-of-turn marker
+        end -= 1
+    return end
+
+
+# A stand-in for message j's content while a conversation shape is rendered (private-use characters; a content
+# holding one renders its prefixes)
+_MARK = "\ue000{}\ue001"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A conversation shape rendered with marks for contents: the text between the marks, and each assistant
+    turn's span as (piece, offset in that piece) for its start and end."""
+
+    pieces: tuple[str, ...]  # len(messages) + 1 texts; the contents go between them
+    spans: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+
+    def fill(self, contents: list[str]) -> str:
+        return "".join(p + c for p, c in zip(self.pieces, contents, strict=False)) + self.pieces[-1]
+
+    def spans_in(self, contents: list[str], full: str) -> list[tuple[int, int]] | None:
+        """The spans in the text with these contents (trimmed as _prefix_spans trims), None if they overlap."""
+        starts = [0]  # where piece k starts in the filled text
+        for piece, content in zip(self.pieces, contents, strict=False):
+            starts.append(starts[-1] + len(piece) + len(content))
+        out, cursor = [], 0
+        for (k, a), (m, b) in self.spans:
+            start, end = starts[k] + a, starts[m] + b
+            if start < cursor:  # the prefix renders would not locate it this way either: render them
+                return None
+            end = _trim_end(full, start, end)
+            out.append((start, end))
+            cursor = end
+        return out
+
+
+def _shape(messages: list[dict[str, Any]], tools: list | None) -> tuple | None:
+    """What a conversation's layout depends on besides its contents; None when its messages hold more than a
+    role and a text (their renders are not a matter of contents alone)."""
+    for m in messages:
+        if len(m) != 2 or not isinstance(m.get("content"), str) or "\ue000" in m["content"]:
+            return None
+    return tuple(m["role"] for m in messages), json.dumps(tools, sort_keys=True) if tools else None
+
+
+def _layout(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
+            tools: list | None) -> _Layout | None:
+    """The layout of this conversation's shape, or None when the marks do not show each content once, in order,
+    or a prefix does not render as a prefix of the whole (such shapes are rendered prefix by prefix)."""
+    marked = [{"role": m["role"], "content": _MARK.format(j)} for j, m in enumerate(messages)]
+    try:
+        full = _render(tokenizer, template, marked, tools, False)
+        pieces, at, bounds = [], 0, []  # bounds: (start, end) of each piece in the marked text
+        for m in marked:
+            found = full.find(m["content"], at)
+            if found < 0 or full.count(m["content"]) != 1:
+                return None
+            pieces.append(full[at:found])
+            bounds.append((at, found))
+            at = found + len(m["content"])
+        pieces.append(full[at:])
+        bounds.append((at, len(full)))
+
+        def anchor(position: int) -> tuple[int, int] | None:
+            return next(((k, position - a) for k, (a, b) in enumerate(bounds) if a <= position <= b), None)
+
+        spans = []
+        for i, m in enumerate(marked):
+            if m["role"] != "assistant":
+                continue
+            before = _render(tokenizer, template, marked[:i], tools, True)
+            through = _render(tokenizer, template, marked[: i + 1], tools, False)
+            start, end = anchor(len(before)), anchor(len(through))
+            if not (full.startswith(through) and through.startswith(before)) or start is None or end is None:
+                return None
+            spans.append((start, end))
+    except BadRow:
+        return None
+    return _Layout(tuple(pieces), tuple(spans))
+
+
+class Layouts:
+    """The layouts of the conversation shapes one batch holds (its roles in order, its tools).
+
+    Rows of one dataset mostly share a few shapes (system?, user, assistant, ...). A shape seen twice is rendered
+    once with marks for its contents, prefix by prefix; a conversation of that shape then renders once, and where
+    its text is the marked text with the contents put in, its spans are the marked spans moved by the contents'
+    lengths. A template that writes a content other than verbatim (trims it, drops reasoning) gives another text,
+    and such a conversation is rendered prefix by prefix, as every conversation of an unfit shape is."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, int] = {}
+        self._layouts: dict[tuple, _Layout | None] = {}
+
+    def spans(self, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | None,
+              full: str) -> list[tuple[int, int]] | None:
+        """The assistant spans of the conversation whose text is `full`, or None to render its prefixes."""
+        key = _shape(messages, tools)
+        if key is None:
+            return None
+        self._seen[key] = seen = self._seen.get(key, 0) + 1
+        if seen < 2:  # a shape met once costs no extra render
+            return None
+        if key not in self._layouts:
+            self._layouts[key] = _layout(tokenizer, template, messages, tools)
+        layout = self._layouts[key]
+        contents = [m["content"] for m in messages]
+        if layout is None or layout.fill(contents) != full:
+            return None
+        return layout.spans_in(contents, full)
 
 
 _THOUGHT = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -297,14 +423,20 @@ def _locate(full: str, before: str, through: str, content: str, cursor: int, ind
 
 def token_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Character spans -> [first, last) token indices of the tokens that overlap each span."""
-    starts = [a for a, _ in offsets]
-    ends = [b for _, b in offsets]
     out = []
-    for a, b in spans:
-        first = bisect.bisect_right(ends, a)  # first token that ends after the span starts
-        last = bisect.bisect_left(starts, b, lo=first)  # first token that starts at or after its end
+    for a, b in spans:  # bisect by key: no per-token list is built
+        first = bisect.bisect_right(offsets, a, key=_end)  # first token that ends after the span starts
+        last = bisect.bisect_left(offsets, b, lo=first, key=_start)  # first token that starts at or after its end
         out.append((first, max(first, last)))
     return out
+
+
+def _start(offset: tuple[int, int]) -> int:
+    return offset[0]
+
+
+def _end(offset: tuple[int, int]) -> int:
+    return offset[1]
 
 
 def tokenize_rendered(
@@ -313,5 +445,6 @@ def tokenize_rendered(
     """Token ids (as `apply_chat_template(tokenize=True)` makes them) and character offsets."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("the sft encoder needs a fast tokenizer (tokenizer.json) for its offset mapping")
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
+                    return_token_type_ids=False)
     return enc["input_ids"], enc["offset_mapping"]
