@@ -1,5 +1,5 @@
-"""Gradient checkpointing per layer from a memory estimate (disable_gradient_checkpointing unset), and the
-adapters' autocast inputs: each keeps the numbers of the plain path."""
+"""Gradient checkpointing per layer from a memory estimate (disable_gradient_checkpointing unset: selective or
+full), and the adapters' autocast inputs: each keeps the numbers of the plain path."""
 
 from __future__ import annotations
 
@@ -14,75 +14,100 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tuneforge.model import checkpointing, load_model
 from tuneforge.model.mixed_precision import autocast_inputs, plain_lora_layers
 
-SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536)
+SMOLLM2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
 
 
-def test_the_estimate_per_token_and_layer_by_hand():
-    # 34 bytes per hidden unit + 8 per intermediate unit under half precision, times the 1.25 margin
-    assert checkpointing.activation_bytes_per_token(SMOLLM2, half=True) == (34 * 576 + 8 * 1536) * 1.25
-    assert checkpointing.activation_bytes_per_token(SMOLLM2, half=False) == (34 * 576 + 8 * 1536) * 2.5
-    moe = SimpleNamespace(hidden_size=64, intermediate_size=999, num_experts_per_tok=2, moe_intermediate_size=32)
-    assert checkpointing.activation_bytes_per_token(moe, half=True) == (34 * 64 + 8 * 64) * 1.25
+def test_the_estimates_per_token_and_layer_by_hand():
+    # half precision, times the 1.25 margin; kv = 3 heads x 64
+    per = checkpointing.activation_bytes_per_token
+    assert per(SMOLLM2, half=True) == (34 * 576 + 8 * 1536) * 1.25
+    assert per(SMOLLM2, half=True, mode="selective") == (10 * 576 + 4 * 192 + 4 * 1536) * 1.25
+    assert per(SMOLLM2, half=True, mode="full") == 2 * 576 * 1.25
+    assert per(SMOLLM2, half=False, mode="selective") == (10 * 576 + 4 * 192 + 4 * 1536) * 2.5
+    moe = SimpleNamespace(hidden_size=64, num_attention_heads=4, intermediate_size=999, num_experts_per_tok=2,
+                          moe_intermediate_size=32)
+    assert per(moe, half=True) == (34 * 64 + 8 * 64) * 1.25
 
 
-def test_the_plan_checkpoints_the_fewest_layers_that_fit():
-    per_layer = checkpointing.activation_bytes_per_token(SMOLLM2, half=True) * 2048
-    plenty = checkpointing.plan(SMOLLM2, 30, 2048, True, available=2 * 30 * per_layer)  # budget: half of it
-    assert plenty.checkpointed == 0 and plenty.per_layer_bytes == per_layer
-    ten_fit = checkpointing.plan(SMOLLM2, 30, 2048, True, available=2 * 10 * per_layer)
-    assert ten_fit.checkpointed == 20
-    a_bit_more = checkpointing.plan(SMOLLM2, 30, 2048, True, available=2 * 10.5 * per_layer)
-    assert a_bit_more.checkpointed == 20  # 10.5 layers' worth of budget: 10 stay un-checkpointed, not 11
-    none_fit = checkpointing.plan(SMOLLM2, 30, 2048, True, available=-1.0)
-    assert none_fit.checkpointed == 30
+def test_the_plan_makes_selective_as_many_layers_as_the_budget_holds():
+    selective = checkpointing.activation_bytes_per_token(SMOLLM2, True, "selective") * 2048
+    full = checkpointing.activation_bytes_per_token(SMOLLM2, True, "full") * 2048
+
+    def chosen(budget: float) -> int:
+        return checkpointing.plan(SMOLLM2, 30, 2048, True, available=2 * budget).selective  # half is the budget
+
+    assert chosen(30 * selective) == 30
+    assert chosen(30 * full + 10 * (selective - full)) == 10
+    assert chosen(30 * full + 10.5 * (selective - full)) == 10
+    assert chosen(30 * full) == 0 and chosen(0.0) == 0
 
 
-def _first_mlp_calls(model, batch) -> list[int]:
-    """Forward calls of each layer's MLP in one forward + backward (2 where the layer is recomputed)."""
+class ProductCount(TorchDispatchMode):
+    """Counts matrix products run inside it."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _products_and_grads(model, batch) -> tuple[int, dict]:
+    with ProductCount() as products:
+        loss_and_backward(model, batch)
+    return products.count, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _layers(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    calls = [0] * len(base.model.layers)
-    hooks = [layer.mlp.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
-             for i, layer in enumerate(base.model.layers)]
-    loss_and_backward(model, batch)
-    for hook in hooks:
-        hook.remove()
-    return calls
+    return base.model.layers
 
 
-@pytest.mark.parametrize("available, calls", [(1e12, [1, 1]), (0.0, [2, 2])])
-def test_unset_checkpoints_by_memory_and_keeps_the_gradients(make_cfg, batch, monkeypatch, caplog, available,
-                                                                calls):
-    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: available)
-    grads = {}
-    for key in (None, True):
+def test_selective_recomputes_no_large_product_and_keeps_the_gradients(make_cfg, batch, monkeypatch):
+    monkeypatch.setattr(checkpointing, "SAVED_INNER_DIM", 16)  # the tiny model's products are 32 wide
+    runs = {}
+    for mode, key, available in (("none", True, 0.0), ("full", False, 0.0), ("selective", None, 1e12)):
+        monkeypatch.setattr(checkpointing, "available_bytes", lambda device, a=available: a)
         torch.manual_seed(0)
-        with caplog.at_level(logging.INFO, logger="tuneforge"):
-            model = load_model(make_cfg(finetuning_type="full", disable_gradient_checkpointing=key))
-        if key is None:
-            assert _first_mlp_calls(model, batch) == calls
-            assert f"{calls.count(2)} of 2 decoder layers" in caplog.text
-        else:
-            loss_and_backward(model, batch)
-        grads[key] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name, grad in grads[True].items():
-        torch.testing.assert_close(grads[None][name], grad, rtol=1e-5, atol=1e-7)
+        model = load_model(make_cfg(finetuning_type="full", disable_gradient_checkpointing=key))
+        selective = [getattr(layer, "_gradient_checkpointing_func", None) is checkpointing.selective_checkpoint
+                     for layer in _layers(model)]
+        assert selective == [mode == "selective"] * 2
+        runs[mode] = _products_and_grads(model, batch)
+    # the recompute runs q, k, v, o, gate, up again; not down (torch's recompute stops after the last tensor backward
+    # needs, down's input)
+    assert runs["full"][0] == runs["none"][0] + 2 * 6
+    assert runs["selective"][0] == runs["none"][0]  # selective keeps them
+    for mode in ("full", "selective"):
+        for name, grad in runs["none"][1].items():
+            torch.testing.assert_close(runs[mode][1][name], grad, rtol=1e-5, atol=1e-7)
 
 
-def test_one_layer_checkpointed_when_one_layer_fits(make_cfg, batch, monkeypatch):
+def test_full_checkpointing_on_the_first_layers_when_the_budget_holds_one(make_cfg, monkeypatch, caplog):
     cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
-    model = load_model(cfg)  # the plan is redone below with a budget of one layer's activations
-    tokens = cfg.train.per_device_train_batch_size * cfg.data.cutoff_len
-    per_layer = checkpointing.activation_bytes_per_token(model.config, half=False) * tokens
-    reserved = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 2 * per_layer + reserved)
     model = load_model(cfg)
-    assert _first_mlp_calls(model, batch) == [2, 1]
+    tokens = cfg.train.per_device_train_batch_size * cfg.data.cutoff_len
+    per = checkpointing.activation_bytes_per_token
+    full, selective = (per(model.config, False, mode) * tokens for mode in ("full", "selective"))
+    reserved = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    monkeypatch.setattr(checkpointing, "available_bytes",
+                        lambda device: 2 * (2 * full + (selective - full)) + reserved)
+    with caplog.at_level(logging.INFO, logger="tuneforge"):
+        model = load_model(cfg)
+    funcs = [layer._gradient_checkpointing_func for layer in _layers(model)]
+    assert funcs[0] is not checkpointing.selective_checkpoint and funcs[1] is checkpointing.selective_checkpoint
+    assert all(layer.gradient_checkpointing for layer in _layers(model))
+    assert "selective on 1 of 2 decoder layers, full on 1" in caplog.text
 
 
-def test_an_explicit_setting_wins(make_cfg, batch, monkeypatch):
-    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)  # memory would allow none
-    assert _first_mlp_calls(load_model(make_cfg(disable_gradient_checkpointing=False)), batch) == [2, 2]
-    assert _first_mlp_calls(load_model(make_cfg(disable_gradient_checkpointing=True)), batch) == [1, 1]
+def test_an_explicit_setting_wins(make_cfg, monkeypatch):
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)  # memory would allow selective
+    full = _layers(load_model(make_cfg(disable_gradient_checkpointing=False)))
+    assert all(layer.gradient_checkpointing and layer._gradient_checkpointing_func
+               is not checkpointing.selective_checkpoint for layer in full)
+    assert not any(layer.gradient_checkpointing for layer in _layers(load_model(make_cfg(
+        disable_gradient_checkpointing=True))))
 
 
 # ---------------------------------------------------------------- adapters under autocast

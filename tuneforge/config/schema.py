@@ -78,8 +78,9 @@ class ModelArgs:
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
     disable_gradient_checkpointing: bool | None = opt(
-        None, help="unset (null): gradient checkpointing on only as many decoder layers as a memory estimate needs "
-                   "(all when memory is short, none when it is plenty); false: on every layer; true: off")
+        None, help="unset (null): per decoder layer from a memory estimate — selective checkpointing (keeps the "
+                   "matrix products' outputs, recomputes the rest) where the budget holds it, full elsewhere; "
+                   "false: full on every layer; true: off")
     # kernels and precision of the model's own layers (tuneforge/model/kernels.py)
     upcast_layernorm: bool = opt(False, help="keep the norm layers' weights in fp32 when the model loads in bf16 / fp16")
     upcast_lmhead_output: bool = opt(False, help="the vocabulary head's output in fp32 under bf16 / fp16 (tuneforge's "

@@ -1,18 +1,22 @@
 """Gradient checkpointing per decoder layer, from a memory estimate.
 
-Checkpointing a layer keeps only its input for backward and runs its forward again there: a third more compute
-for the layer (measured on W1, all 30 layers of SmolLM2-135M: 1.5x the tokens/s without it, docs/performance.md).
-`disable_gradient_checkpointing` left unset (null) checkpoints only as many layers as the memory needs: the
-activations of the largest possible micro-batch (per_device_train_batch_size x cutoff_len tokens) are estimated
-per layer and compared with a budget, half the memory this process can still take (the device's free memory,
-or the machine's available memory on a CPU, shared by the processes of this machine). The first layers are
-checkpointed until the rest fit. `false` checkpoints every layer, `true` none: the user's setting always wins.
+A decoder layer keeps, for backward, the inputs of each of its operations (`none`); full checkpointing keeps only
+the layer's input and runs its forward again in backward (`full`: a third more compute for the layer); selective
+checkpointing (torch's create_selective_checkpoint_contexts) keeps the outputs of its large matrix products and of
+attention, and recomputes only the cheap rest — norms, rotary, activations, the adapters' rank-sized products
+(`selective`). Measured on W1 (SmolLM2-135M LoRA, bf16, docs/performance.md): none trains 1.5x faster than full.
 
-The estimate, per token and layer, of what autograd keeps of a decoder layer under bf16 / fp16 autocast:
-two norms (their fp32 input and output, and the half-precision result: 10 bytes per hidden unit each),
-attention (projections, rotary, output: ~14 bytes per hidden unit) and the gated MLP (four intermediate-sized
-tensors: 8 bytes per unit); twice that in fp32. On W1 it gives 32 KB per token and layer, where 30 layers
-without checkpointing measured ~35 KB (740 MiB more peak memory for a 708-token micro-batch).
+`disable_gradient_checkpointing` left unset (null) chooses per layer: selective on as many layers as the memory
+budget holds, full on the others (the first ones). The budget is half the memory this process can still take (the
+device's free memory after the weights, less the gradients and optimizer states to come; on a CPU the machine's
+available memory, shared by this machine's processes), for the largest possible micro-batch
+(per_device_train_batch_size x cutoff_len tokens). `false` checkpoints every layer fully, `true` none: the
+user's setting always wins.
+
+The estimates, in bytes per token and layer under bf16 / fp16 autocast (twice that in fp32), for a Llama-style
+layer (hidden h, key/value width kv, intermediate i): none ≈ 34h + 8i (the norms keep fp32 copies, the MLP four
+intermediate-sized tensors); selective ≈ 10h + 4kv + 4i (the outputs of the seven products and of attention, the
+layer's input); full ≈ 2h. On W1's 30 layers none measured ~35 KB per token, the estimate gives 32.
 """
 
 from __future__ import annotations
@@ -21,39 +25,53 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
-BUDGET_SHARE = 0.5  # of the memory still available: the rest is for the optimizer, the head's chunks, the data
-SAFETY = 1.25  # the estimate's margin (allocator fragmentation, family differences)
+BUDGET_SHARE = 0.5  # of the memory still available: the rest is for the head's chunks, the data, the allocator
+SAFETY = 1.25  # the estimates' margin (allocator fragmentation, family differences)
+# products whose inner dimension is below this are recomputed (a LoRA adapter's second product: rank-sized inner
+# dimension, output as large as the layer's); above it their outputs are kept
+SAVED_INNER_DIM = 256
 
 
 @dataclass(frozen=True)
 class Plan:
-    checkpointed: int  # the first `checkpointed` decoder layers
+    selective: int  # the last `selective` decoder layers; the others are fully checkpointed
     layers: int
-    per_layer_bytes: float  # activations of one layer for the largest micro-batch
+    selective_bytes: float  # activations of one layer for the largest micro-batch, selective / full checkpointing
+    full_bytes: float
     budget_bytes: float
 
     def describe(self) -> str:
         gib = 2**30
-        return (f"{self.checkpointed} of {self.layers} decoder layers (activations ~"
-                f"{self.per_layer_bytes * self.layers / gib:.2f} GiB without checkpointing, budget "
+        return (f"selective on {self.selective} of {self.layers} decoder layers, full on {self.layers - self.selective} "
+                f"(selective on all ~{self.selective_bytes * self.layers / gib:.2f} GiB of activations, budget "
                 f"{self.budget_bytes / gib:.2f} GiB)")
 
 
-def activation_bytes_per_token(config: Any, half: bool) -> float:
-    """What one decoder layer keeps for backward per token (see the module docstring), in bytes."""
+def _widths(config: Any) -> tuple[int, int, int]:
+    """(hidden, key/value width, intermediate) of a decoder layer; a mixture of experts: its active experts'."""
     hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    experts = getattr(config, "num_experts_per_tok", None)
-    moe = getattr(config, "moe_intermediate_size", None)
-    if experts and moe:  # a mixture of experts: the active experts' intermediate tensors
+    experts, moe = getattr(config, "num_experts_per_tok", None), getattr(config, "moe_intermediate_size", None)
+    if experts and moe:
         intermediate = experts * moe
-    per_token = 34 * hidden + 8 * intermediate  # bytes under half-precision autocast
+    return hidden, kv, intermediate
+
+
+def activation_bytes_per_token(config: Any, half: bool, mode: str = "none") -> float:
+    """What one decoder layer keeps for backward per token under `mode` (none, selective, full), in bytes."""
+    hidden, kv, intermediate = _widths(config)
+    per_token = {"none": 34 * hidden + 8 * intermediate, "selective": 10 * hidden + 4 * kv + 4 * intermediate,
+                 "full": 2 * hidden}[mode]
     return per_token * (1 if half else 2) * SAFETY
 
 
@@ -72,26 +90,64 @@ def available_bytes(device: torch.device) -> float:
 
 
 def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float) -> Plan:
-    """How many of the first layers to checkpoint so that the others' activations fit the budget."""
-    per_layer = activation_bytes_per_token(config, half) * max_tokens
+    """How many layers the budget holds under selective checkpointing (the rest: full)."""
+    selective = activation_bytes_per_token(config, half, "selective") * max_tokens
+    full = activation_bytes_per_token(config, half, "full") * max_tokens
     budget = available * BUDGET_SHARE
-    needed = 0 if per_layer * layers <= budget else math.ceil((per_layer * layers - budget) / per_layer)
-    return Plan(min(needed, layers), layers, per_layer, budget)
+    # every layer costs `full` at least; each one made selective costs the difference more
+    spare = budget - full * layers
+    count = 0 if spare <= 0 else min(layers, math.floor(spare / (selective - full)))
+    return Plan(count, layers, selective, full, budget)
+
+
+def _keep_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective checkpointing's policy: keep the outputs of attention and of large matrix products."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    if op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        first = args[1] if op is aten.addmm.default else args[0]
+        if first.shape[-1] >= SAVED_INNER_DIM:
+            return CheckpointPolicy.MUST_SAVE
+    elif op in _attention_ops():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _attention_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+def selective_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint of function under the keep-the-products policy."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _keep_products), **kwargs)
+
+
+def use_selective(layer: nn.Module) -> None:
+    """Selective checkpointing on a layer transformers checkpoints (a GradientCheckpointingLayer)."""
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = selective_checkpoint
 
 
 def checkpoint_by_memory(model: nn.Module, layers: nn.ModuleList, cfg: Any, device: torch.device,
                          reserved: float = 0.0) -> Plan | None:
-    """Leave checkpointing on for the first layers the plan needs, off for the others (checkpointing already
+    """Selective checkpointing on the last layers the plan holds, full on the others (full checkpointing already
     enabled on every layer by transformers). reserved: bytes still to come outside the activations (gradients and
     optimizer states). None when the layers do not take per-layer checkpointing."""
-    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+    if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
         return None
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     t = cfg.train
     max_tokens = t.per_device_train_batch_size * cfg.data.cutoff_len
     chosen = plan(config, len(layers), max_tokens, t.bf16 or t.fp16 or t.pure_bf16,
                   available_bytes(device) - reserved)
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i < chosen.checkpointed
+    for layer in list(layers)[len(layers) - chosen.selective:]:
+        use_selective(layer)
     logger.info("gradient checkpointing (from the memory estimate): %s", chosen.describe())
     return chosen

@@ -169,7 +169,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
         upcast_trainable_params(model)
     checkpointing = "off" if m.disable_gradient_checkpointing else "on"
     if m.disable_gradient_checkpointing is None and (chosen := _checkpoint_by_memory(model, cfg, device)):
-        checkpointing = f"on for {chosen.checkpointed} of {chosen.layers} layers"
+        checkpointing = f"selective on {chosen.selective} of {chosen.layers} layers, full on the rest"
     compile_layers(model, cfg.train)
     model.train()
     logger.info(
