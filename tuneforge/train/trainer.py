@@ -442,7 +442,8 @@ class Trainer:
                 batch = self._to_device(batch)
                 with self._autocast(), self._noising(batch):
                     out = self.step_module(batch)
-                self.strategy.backward(out.loss_sum * scale, last)
+                with self._adapter_inputs():  # checkpointed layers recompute in backward: as in the forward
+                    self.strategy.backward(out.loss_sum * scale, last)
             loss_sum += out.loss_sum.detach().float()
             add_into(metrics, out.metrics)
             add_into(counts, out.counts)
@@ -485,13 +486,15 @@ class Trainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The configured autocast; under it, plain LoRA layers skip their redundant fp32 input copy."""
-        t = self.cfg.train
-        if not (t.bf16 or t.fp16) or not self._plain_lora:
-            return autocast_context(t, self.device)
         stack = contextlib.ExitStack()
-        stack.enter_context(autocast_context(t, self.device))
-        stack.enter_context(autocast_inputs(self._plain_lora))
+        stack.enter_context(autocast_context(self.cfg.train, self.device))
+        stack.enter_context(self._adapter_inputs())
         return stack
+
+    def _adapter_inputs(self) -> contextlib.AbstractContextManager:
+        """Under bf16 / fp16 autocast, plain LoRA layers take their input as it comes (mixed_precision.py)."""
+        t = self.cfg.train
+        return autocast_inputs(self._plain_lora) if (t.bf16 or t.fp16) and self._plain_lora else contextlib.nullcontext()
 
     def _accumulation_groups(self) -> Iterator[tuple[list[list[int]], Phase]]:
         """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time, each group with
