@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tuneforge.workflow import loss_curve
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tuneforge.workflow import loss_curve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "llamafactory"
@@ -128,6 +129,8 @@ def main() -> None:
     model_dir = args.model_dir or (str(tiny_vlm()) if args.workload == "W5" else None)
     model = [f"model_name_or_path={model_dir}"] if model_dir else []
     ours = run_tuneforge(args.workload, args.dataset_dir, [*precision, *model, *args.overrides])
+    if args.workload in CEILING_METHOD and not model_dir:  # the compute ceiling, measured now (matmul_probe.py)
+        ours.update(compute_ceiling(ours, CEILING_METHOD[args.workload], args.fp32))
     peer = run_peer(args.workload, args.dataset_dir, precision, model_dir) if args.peer else None
     print(json.dumps(ours))
     if peer is not None:
@@ -139,6 +142,26 @@ def main() -> None:
             "runtime_ratio": ratio(peer["train_runtime_s"], ours["train_runtime_s"]),
             "peak_rss_ratio": ratio(ours["peak_rss_mb"], peer["peak_rss_mb"]),
         }))
+
+
+# the text workloads on the built-in model whose ceiling the matmul probe gives: their finetuning type
+CEILING_METHOD = {"W1": "lora", "W3": "full", "W4": "lora"}
+
+
+def compute_ceiling(ours: dict, method: str, fp32: bool) -> dict:
+    """The matrix-product ceiling at the run's mean micro-batch (tokens per step), and the run's share of it."""
+    import torch
+    from matmul_probe import ceiling
+    from transformers import AutoConfig
+
+    from tuneforge.model.hub import builtin_model_dir
+
+    results = json.loads((Path(ours["out"]) / "run" / "train_results.json").read_text())
+    tokens = max(1, round(results["total_tokens"] / max(results["global_step"], 1)))
+    probe = ceiling(AutoConfig.from_pretrained(builtin_model_dir()), tokens, torch.float32 if fp32 else torch.bfloat16,
+                    method)
+    share = ours["effective_tokens_per_sec"] / probe["ceiling_tokens_per_sec"] if ours["effective_tokens_per_sec"] else None
+    return {"matmul_probe": probe, "ceiling_fraction": round(share, 3) if share else None}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

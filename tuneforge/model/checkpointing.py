@@ -4,7 +4,9 @@ A decoder layer keeps, for backward, the inputs of each of its operations (`none
 the layer's input and runs its forward again in backward (`full`: a third more compute for the layer); selective
 checkpointing (torch's create_selective_checkpoint_contexts) keeps the outputs of its large matrix products and of
 attention, and recomputes only the cheap rest — norms, rotary, activations, the adapters' rank-sized products
-(`selective`). Measured on W1 (SmolLM2-135M LoRA, bf16, docs/performance.md): none trains 1.5x faster than full.
+(`selective`). Measured on W1 (SmolLM2-135M LoRA, bf16, 2 CPU cores, docs/performance.md): none 1.30x the tokens/s
+of full, selective 1.09x (its cost there: every operation of the layer passes torch's Python dispatch mode that
+applies the policy), at 1.4x and 1.3x full's peak memory.
 
 `disable_gradient_checkpointing` left unset (null) chooses per layer: selective on as many layers as the memory
 budget holds, full on the others (the first ones). The budget is half the memory this process can still take (the
@@ -16,7 +18,8 @@ user's setting always wins.
 The estimates, in bytes per token and layer under bf16 / fp16 autocast (twice that in fp32), for a Llama-style
 layer (hidden h, key/value width kv, intermediate i): none ≈ 34h + 8i (the norms keep fp32 copies, the MLP four
 intermediate-sized tensors); selective ≈ 10h + 4kv + 4i (the outputs of the seven products and of attention, the
-layer's input); full ≈ 2h. On W1's 30 layers none measured ~35 KB per token, the estimate gives 32.
+layer's input); full ≈ 2h. On W1's 30 layers none measured ~35 KB per token (before RMSNorm was fused and the
+adapters' fp32 input copies went), the estimate gives 32.
 """
 
 from __future__ import annotations
