@@ -159,3 +159,10 @@ def test_lora_under_autocast_without_the_fp32_input_copy_is_bit_identical(make_c
 @pytest.mark.parametrize("keys", [{"lora_dropout": 0.1}, {"use_dora": True}])
 def test_lora_with_dropout_or_a_variant_keeps_its_cast(make_cfg, keys):
     assert plain_lora_layers(load_model(make_cfg(bf16=True, **keys))) == []
+
+
+def test_torch_compile_keeps_full_checkpointing_on_every_layer(make_cfg, monkeypatch):
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)  # selective would fit everywhere
+    layers = _layers(load_model(make_cfg(torch_compile=True, torch_compile_backend="aot_eager")))
+    assert all(layer.gradient_checkpointing for layer in layers)
+    assert not any(layer._gradient_checkpointing_func is checkpointing.selective_checkpoint for layer in layers)

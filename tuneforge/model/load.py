@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tuneforge.config.kernels import compiles
 from tuneforge.errors import ConfigError, ModelError
 from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, decoder_layers, load_adapter, upcast_trainable_params
@@ -360,7 +361,11 @@ def _prepare_quantized(model: PreTrainedModel) -> None:
 
 
 def _checkpoint_by_memory(model: torch.nn.Module, cfg: RunConfig, device: torch.device):
-    """disable_gradient_checkpointing unset: checkpointing only on the layers the memory estimate needs."""
+    """disable_gradient_checkpointing unset: selective checkpointing on the layers the memory estimate holds. Not
+    with torch_compile: its compiled parts of a checkpointed layer would run under selective checkpointing's
+    dispatch mode, which torch.compile does not trace; every layer stays fully checkpointed then."""
+    if compiles(cfg.train):
+        return None
     try:
         _, layers = decoder_layers(model)
     except ModelError:  # layers not found: every layer stays checkpointed
