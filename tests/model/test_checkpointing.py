@@ -166,3 +166,14 @@ def test_torch_compile_keeps_full_checkpointing_on_every_layer(make_cfg, monkeyp
     layers = _layers(load_model(make_cfg(torch_compile=True, torch_compile_backend="aot_eager")))
     assert all(layer.gradient_checkpointing for layer in layers)
     assert not any(layer._gradient_checkpointing_func is checkpointing.selective_checkpoint for layer in layers)
+
+
+@pytest.mark.parametrize("keys", [{"deepspeed": "examples/deepspeed/ds_z3_config.json"}, {"fsdp": "full_shard"},
+                                  {"sequence_parallel_size": 2}])
+def test_sharded_or_split_runs_keep_full_checkpointing(make_cfg, keys):
+    # ZeRO / FSDP gather parameters inside a layer and release them: selective's replay would find other operations
+    cfg = make_cfg()
+    for key, value in keys.items():
+        setattr(cfg.train, key, value)
+    assert not checkpointing.selective_fits(cfg)
+    assert checkpointing.selective_fits(make_cfg())

@@ -13,7 +13,8 @@ budget holds, full on the others (the first ones). The budget is half the memory
 device's free memory after the weights, less the gradients and optimizer states to come; on a CPU the machine's
 available memory, shared by this machine's processes), for the largest possible micro-batch
 (per_device_train_batch_size x cutoff_len tokens). `false` checkpoints every layer fully, `true` none: the
-user's setting always wins.
+user's setting always wins. Under DeepSpeed, FSDP or sequence parallelism every layer keeps full checkpointing
+(`selective_fits`).
 
 The estimates, in bytes per token and layer under bf16 / fp16 autocast (twice that in fp32), for a Llama-style
 layer (hidden h, key/value width kv, intermediate i): none ≈ 34h + 8i (the norms keep fp32 copies, the MLP four
@@ -138,12 +139,21 @@ def use_selective(layer: nn.Module) -> None:
     layer._gradient_checkpointing_func = selective_checkpoint
 
 
+def selective_fits(cfg: Any) -> bool:
+    """Selective checkpointing replays a layer's operations against what its forward stored, so the layer must run
+    the same operations both times: not so where parameters are gathered inside the layer and released again
+    (DeepSpeed ZeRO, FSDP: the recompute gathers anew), nor across the all-to-alls of sequence parallelism. Those
+    keep full checkpointing."""
+    t = cfg.train
+    return not (t.deepspeed or t.fsdp or t.sequence_parallel_size > 1)
+
+
 def checkpoint_by_memory(model: nn.Module, layers: nn.ModuleList, cfg: Any, device: torch.device,
                          reserved: float = 0.0) -> Plan | None:
     """Selective checkpointing on the last layers the plan holds, full on the others (full checkpointing already
     enabled on every layer by transformers). reserved: bytes still to come outside the activations (gradients and
     optimizer states). None when the layers do not take per-layer checkpointing."""
-    if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
+    if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers) or not selective_fits(cfg):
         return None
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     t = cfg.train
