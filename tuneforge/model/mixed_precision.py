@@ -28,7 +28,9 @@ def plain_lora_layers(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def autocast_inputs(layers: list[nn.Module]) -> Iterator[None]:
-    """Within: the layers do not cast their input to the adapters' dtype (enter it only under autocast)."""
+    """Within: the layers do not cast their input to the adapters' dtype. Enter it only around autocast work: the
+    forward, and the backward (its checkpointed layers recompute under the forward's autocast, and must run the
+    same operations)."""
     before = [layer.cast_input_dtype_enabled for layer in layers]
     for layer in layers:
         layer.cast_input_dtype_enabled = False
