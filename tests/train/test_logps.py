@@ -61,6 +61,35 @@ def test_gradients_equal_the_brute_force(tiny_model_dir, sequences, head, paddin
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5 * max(scale, 1.0), msg=name)
 
 
+def _lora_model(model_dir):
+    model = load_model(model_dir, lora={})
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # LoRA B starts at zero, which would leave lora_A without a gradient
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_frozen_head_gradients_equal_the_brute_force_with_one_projection_per_chunk(
+    tiny_model_dir, sequences, padding_free
+):
+    reference_model = _lora_model(tiny_model_dir)
+    expected = _weighted_gradients(reference_model, brute_force_logps(reference_model, sequences)[0])
+    model = _lora_model(tiny_model_dir)
+    calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    batch = collate_sequences(sequences, padding_free)
+    got = _weighted_gradients(model, sequence_logps(model, batch, head="fused", chunk_tokens=4).logps)
+    # 15 targets in chunks of 4: the head's gradient is taken in the forward, so no chunk is projected again
+    assert len(calls) == 4
+    assert got.keys() == expected.keys() and any("lora_A" in name for name in got)
+    for name, grad in expected.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5 * max(scale, 1.0), msg=name)
+
+
 def test_peft_model_uses_its_adapters(tiny_model_dir, sequences):
     model = load_model(tiny_model_dir, lora={})
     with torch.no_grad():  # a LoRA B of zeros would make the adapter invisible: give it weights

@@ -7,7 +7,9 @@ per sequence (logps.sequence_logps).
 The vocabulary projection dominates activation memory (49k-256k logits per token). Two ways to the logits:
 - "fused" (default when the model allows it): run the decoder, keep the hidden states of the positions
   that predict a target, and project + log-softmax them in fp32 chunks under activation checkpointing.
-  Only one chunk of logits ever exists; backward recomputes it.
+  Only one chunk of logits ever exists; backward recomputes it. When the head is frozen (LoRA, QLoRA, freeze) and
+  the loss is plain cross-entropy, the chunk's gradient to the hidden states is taken in the forward instead
+  (FrozenHeadCrossEntropy): one projection per chunk and one product for the gradient, nothing recomputed.
 - "forward": call the model's own forward with `logits_to_keep` (a boolean mask, or the positions of a
   shared-prompt batch; transformers 5), so only those positions get logits, then fp32 log-softmax in
   checkpointed chunks. Used for models whose head transforms logits (soft-capping, scaling), for wrappers
@@ -133,6 +135,45 @@ def _chunk_losses(head: torch.nn.Module | None, rows: torch.Tensor, targets: tor
     return loss(logits, targets, ref_logits)
 
 
+def frozen_linear(head: torch.nn.Module | None) -> bool:
+    """A plain linear head with nothing to train (LoRA, QLoRA, freeze tuning: the head stays frozen)."""
+    return type(head) is torch.nn.Linear and not any(p.requires_grad for p in head.parameters())
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy through a frozen linear head, its gradient taken in the forward.
+
+    d(-log p_t)/dh_t = (softmax_t - onehot_t) W depends on token t alone, so each chunk's logits are made once, give
+    the losses and this (n, hidden) gradient, and are dropped; backward only scales it by the incoming gradient. A
+    checkpointed chunk makes the logits twice (forward and recompute) and runs a third product in its backward.
+    The head module is called (not its weight read), so its hooks and autocast apply as on the other path."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int
+                ) -> torch.Tensor:
+        losses, grads = [], []
+        for start in range(0, rows.shape[0], chunk_tokens):
+            chunk_targets = targets[start : start + chunk_tokens, None]
+            projected = head(rows[start : start + chunk_tokens])
+            logits = projected.float()
+            target_logits = logits.gather(1, chunk_targets)
+            # softmax in place (logsumexp's and log_softmax's own temporaries are another chunk-sized tensor each)
+            shift = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(shift).exp_()
+            total = probs.sum(dim=-1, keepdim=True)
+            losses.append((total.log() + shift - target_logits).squeeze(1))
+            probs.div_(total).scatter_add_(1, chunk_targets, torch.full_like(chunk_targets, -1, dtype=probs.dtype))
+            grads.append(probs.to(projected.dtype) @ head.weight.to(projected.dtype))
+        ctx.save_for_backward(torch.cat(grads))
+        ctx.rows_dtype = rows.dtype
+        return torch.cat(losses)
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor):
+        (grads,) = ctx.saved_tensors
+        return (grad_losses[:, None] * grads.float()).to(ctx.rows_dtype), None, None, None
+
+
 def chunked_token_losses(
     head: torch.nn.Module | None, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
     loss: TokenLoss = PLAIN, hits: list[torch.Tensor] | None = None, ref: ReferenceRows | None = None,
@@ -151,6 +192,8 @@ def chunked_token_losses(
         projected = head(rows) if head is not None else rows
         return projected.float().sum(dim=-1) * 0.0
     recompute = torch.is_grad_enabled() and (head is not None or rows.requires_grad)
+    if recompute and rows.requires_grad and loss.is_nll and ref is None and frozen_linear(head):
+        return FrozenHeadCrossEntropy.apply(rows, head, targets, chunk_tokens)
     pieces = []
     for start in range(0, rows.shape[0], chunk_tokens):
         end = start + chunk_tokens
