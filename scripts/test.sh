@@ -12,11 +12,15 @@ export TUNEFORGE_HOME=${TUNEFORGE_HOME:-$PWD/.cache/tuneforge}
 export MPLCONFIGDIR=${MPLCONFIGDIR:-$PWD/.cache/matplotlib}
 # DeepSpeed compiles its CPU communication op on first use: into the clone, not the home folder
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
-# the web UI's browser tests drive Debian's Chromium and ChromeDriver; installed here where apt-get can run (they
-# skip, saying why, elsewhere)
-if [ $# -eq 0 ] && ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
-    || echo "chromium could not be installed: the browser tests will skip" >&2
+# the web UI's browser tests drive Debian's Chromium and ChromeDriver, and the command line preloads tcmalloc
+# (tuneforge/allocator.py); installed here where apt-get can run (the browser tests skip, saying why, elsewhere, and
+# the command line runs on the system's allocator)
+need=()
+command -v chromedriver >/dev/null || need+=(chromium chromium-driver)
+ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || need+=(libtcmalloc-minimal4)
+if [ $# -eq 0 ] && [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq "${need[@]}" >/dev/null) \
+    || echo "${need[*]} could not be installed: the browser tests will skip" >&2
 fi
 export GRADIO_ANALYTICS_ENABLED=False
 status=0

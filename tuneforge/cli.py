@@ -101,7 +101,10 @@ def cmd_train(args) -> int:
     from tuneforge.config import load
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
+    from tuneforge.allocator import active
     from tuneforge.stages import stage_of
+
+    logging.getLogger(__name__).info("memory allocator: %s", active() or "system (glibc)")
     from tuneforge.workflow import train
 
     r = train(cfg, ask=args.ask, argv=args.argv)
@@ -266,9 +269,20 @@ def cmd_env(_args) -> None:
         native = "native" if cpu_has_native_bf16() else "emulated, slow: prefer fp32"
         print(f"device cpu (no CUDA device visible), {torch.backends.cpu.get_cpu_capability()}, bf16 {native}")
     print(f"threads {torch.get_num_threads()} (cpu count {os.cpu_count()})")
+    from tuneforge.allocator import ENV, active
+
+    print(f"allocator {active() or 'system (glibc)'} ({ENV}={os.environ.get(ENV, 'auto')})")
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line itself (not a call from Python): tcmalloc / jemalloc first (allocator.py)
+        from tuneforge.allocator import reexec_with_allocator
+
+        try:
+            reexec_with_allocator()
+        except TuneforgeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
