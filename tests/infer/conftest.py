@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from infer_helpers import CALL, FINAL, QUESTION, RESULT, TOOLS, infer_cfg
+from infer_helpers import CALL, FINAL, QUESTION, RESULT, TOOLS, infer_cfg, save_tiny_llama
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -26,21 +26,9 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def rm_model_dir(tmp_path_factory, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tuneforge.model.value_head import ValueHeadModel
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    out = tmp_path_factory.mktemp("tiny-rm")
-    ValueHeadModel(LlamaForCausalLM(config)).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-rm"), tokenizer, wrap=ValueHeadModel)
 
 
 @pytest.fixture(scope="session")

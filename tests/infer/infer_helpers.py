@@ -16,6 +16,25 @@ RESULT = json.dumps({"temperature": 21})
 FINAL = "It is 21 degrees in Paris."
 
 
+def save_tiny_llama(out, tokenizer, wrap=None, **config):
+    """A tiny random Llama (hidden 32, 2 layers, tied head) on the built-in tokenizer, saved with it in out; wrap: a
+    callable that wraps the model before saving (a value head); config: LlamaConfig keys that differ."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "tie_word_embeddings": True, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, **config,
+    })
+    model = LlamaForCausalLM(config)
+    (wrap(model) if wrap else model).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def infer_cfg(model_dir, **keys):
     from tuneforge.config import from_dict
 

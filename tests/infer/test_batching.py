@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import torch
-from infer_helpers import api_server, infer_cfg
+from infer_helpers import api_server, infer_cfg, save_tiny_llama
 
 from tuneforge.infer.engine import Engine
 from tuneforge.infer.job import Delta, Done, Finish
@@ -23,19 +22,8 @@ def ask(i):
 
 @pytest.fixture(scope="module")
 def varied_model_dir(tmp_path_factory, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.5,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    out = tmp_path_factory.mktemp("tiny-varied")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-varied"), tokenizer, max_position_embeddings=2048,
+                           initializer_range=0.5)
 
 
 @pytest.fixture(scope="module")
