@@ -20,8 +20,8 @@ W5: LoRA SFT of a vision-language model on mllm_demo (its 6 rows with images, ba
     processor's chat template, so their token counts can differ slightly: compare tokens/s, not losses.
 
 Runs `tuneforge train` in a child process (so peak RSS is the whole run's) and prints one JSON line:
-effective (non-padding) tokens/s, samples/s (pairs/s for W2), train_runtime, peak RSS, final loss. With
---peer it then runs the peer script on the same model and workload, and prints both lines and a third
+effective (non-padding) tokens/s, samples/s (pairs/s for W2), train_runtime, peak RSS, final loss, the memory
+allocator the run used (TUNEFORGE_ALLOCATOR=system measures glibc's). With --peer it then runs the peer script on the same model and workload, and prints both lines and a third
 with the ratios. Timing is measured, never asserted.
 """
 
@@ -242,8 +242,16 @@ def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict
         "final_loss": curve.get("last_loss"),
         "peak_rss_mb": round(peak_mb, 1),
         "wall_s": round(wall, 2),
+        "allocator": logged_allocator(out / "log.txt"),
         "out": str(out),
     }
+
+
+def logged_allocator(log: Path) -> str | None:
+    """The memory allocator the run logged (tuneforge/allocator.py: TUNEFORGE_ALLOCATOR picks it)."""
+    marker = "memory allocator: "
+    lines = [line for line in log.read_text().splitlines() if marker in line]
+    return lines[0].split(marker, 1)[1].strip() if lines else None
 
 
 if __name__ == "__main__":
