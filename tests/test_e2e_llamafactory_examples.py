@@ -3,8 +3,7 @@ examples/merge_lora/qwen3_lora_sft.yaml, examples/extras/nlg_eval/llama3_lora_pr
 ff6d4d12e) run with `tuneforge` as they are, with only the model, the data folder and the output paths changed and
 the run cut short on the command line (2 steps of 2 samples, at most 512 tokens each: the same code paths, minutes
 less on a CPU). The keys and values below are those files' own. On a CPU without native bf16 (AVX2) the runs are in
-fp32: there bf16 products take torch's reference kernel, and the five runs took 7-9 minutes each instead of
-seconds."""
+fp32: there bf16 products take torch's reference kernel, and the runs took 7-9 minutes each."""
 
 from __future__ import annotations
 
