@@ -81,9 +81,13 @@ def test_frozen_head_gradients_equal_the_brute_force_with_one_projection_per_chu
     calls = []
     model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     batch = collate_sequences(sequences, padding_free)
-    got = _weighted_gradients(model, sequence_logps(model, batch, head="fused", chunk_tokens=4).logps)
-    # 15 targets in chunks of 4: the head's gradient is taken in the forward, so no chunk is projected again
-    assert len(calls) == 4
+    logps = sequence_logps(model, batch, head="fused", chunk_tokens=4).logps
+    with torch.no_grad():  # a reference's pass: its log-probs must equal the policy's exactly (dpo's first rewards)
+        assert torch.equal(sequence_logps(model, batch, head="fused", chunk_tokens=4).logps, logps.detach())
+    calls.clear()
+    got = _weighted_gradients(model, logps)
+    # 15 targets in chunks of 4: the head's gradient was taken in the forward, so the backward projects nothing
+    assert calls == []
     assert got.keys() == expected.keys() and any("lora_A" in name for name in got)
     for name, grad in expected.items():
         scale = float(grad.abs().max())

@@ -156,13 +156,13 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
             chunk_targets = targets[start : start + chunk_tokens, None]
             projected = head(rows[start : start + chunk_tokens])
             logits = projected.float()
-            target_logits = logits.gather(1, chunk_targets)
-            # softmax in place (logsumexp's and log_softmax's own temporaries are another chunk-sized tensor each)
-            shift = logits.amax(dim=-1, keepdim=True)
+            # the losses exactly as the other path computes them: a reference's log-probs (no gradient, that path)
+            # must equal the policy's where their weights are equal (dpo's first step: every reward exactly 0)
+            losses.append(PLAIN(logits, targets[start : start + chunk_tokens]))
+            shift = logits.amax(dim=-1, keepdim=True)  # then the softmax in place: one chunk-sized tensor
             probs = logits.sub_(shift).exp_()
-            total = probs.sum(dim=-1, keepdim=True)
-            losses.append((total.log() + shift - target_logits).squeeze(1))
-            probs.div_(total).scatter_add_(1, chunk_targets, torch.full_like(chunk_targets, -1, dtype=probs.dtype))
+            probs.div_(probs.sum(dim=-1, keepdim=True))
+            probs.scatter_add_(1, chunk_targets, torch.full_like(chunk_targets, -1, dtype=probs.dtype))
             grads.append(probs.to(projected.dtype) @ head.weight.to(projected.dtype))
         ctx.save_for_backward(torch.cat(grads))
         ctx.rows_dtype = rows.dtype
