@@ -153,16 +153,16 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
                 ) -> torch.Tensor:
         losses, grads = [], []
         for start in range(0, rows.shape[0], chunk_tokens):
-            chunk_targets = targets[start : start + chunk_tokens, None]
+            chunk_targets = targets[start : start + chunk_tokens]
             projected = head(rows[start : start + chunk_tokens])
             logits = projected.float()
             # the losses exactly as the other path computes them: a reference's log-probs (no gradient, that path)
             # must equal the policy's where their weights are equal (dpo's first step: every reward exactly 0)
-            losses.append(PLAIN(logits, targets[start : start + chunk_tokens]))
+            losses.append(PLAIN(logits, chunk_targets))
             shift = logits.amax(dim=-1, keepdim=True)  # then the softmax in place: one chunk-sized tensor
             probs = logits.sub_(shift).exp_()
             probs.div_(probs.sum(dim=-1, keepdim=True))
-            probs.scatter_add_(1, chunk_targets, torch.full_like(chunk_targets, -1, dtype=probs.dtype))
+            probs[torch.arange(len(chunk_targets), device=probs.device), chunk_targets] -= 1
             grads.append(probs.to(projected.dtype) @ head.weight.to(projected.dtype))
         ctx.save_for_backward(torch.cat(grads))
         ctx.rows_dtype = rows.dtype
@@ -192,7 +192,7 @@ def chunked_token_losses(
         projected = head(rows) if head is not None else rows
         return projected.float().sum(dim=-1) * 0.0
     recompute = torch.is_grad_enabled() and (head is not None or rows.requires_grad)
-    if recompute and rows.requires_grad and loss.is_nll and ref is None and frozen_linear(head):
+    if torch.is_grad_enabled() and rows.requires_grad and loss.is_nll and ref is None and frozen_linear(head):
         return FrozenHeadCrossEntropy.apply(rows, head, targets, chunk_tokens)
     pieces = []
     for start in range(0, rows.shape[0], chunk_tokens):
