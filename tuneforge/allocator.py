@@ -61,6 +61,11 @@ def active(preload: str | None = None) -> str | None:
     return next((name for name in LIBRARIES if f"lib{name}" in preload), None)
 
 
+def describe() -> str:
+    """The allocator in use, in words: "tcmalloc", "jemalloc" or "system (glibc)"."""
+    return active() or "system (glibc)"
+
+
 def reexec_with_allocator() -> None:
     """Re-run this command (same interpreter, same arguments) with the allocator preloaded, when one is chosen and
     installed; returns only when nothing is to change."""

@@ -101,10 +101,10 @@ def cmd_train(args) -> int:
     from tuneforge.config import load
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
-    from tuneforge.allocator import active
+    from tuneforge.allocator import describe
     from tuneforge.stages import stage_of
 
-    logging.getLogger(__name__).info("memory allocator: %s", active() or "system (glibc)")
+    logging.getLogger(__name__).info("memory allocator: %s", describe())
     from tuneforge.workflow import train
 
     r = train(cfg, ask=args.ask, argv=args.argv)
@@ -269,9 +269,9 @@ def cmd_env(_args) -> None:
         native = "native" if cpu_has_native_bf16() else "emulated, slow: prefer fp32"
         print(f"device cpu (no CUDA device visible), {torch.backends.cpu.get_cpu_capability()}, bf16 {native}")
     print(f"threads {torch.get_num_threads()} (cpu count {os.cpu_count()})")
-    from tuneforge.allocator import ENV, active
+    from tuneforge.allocator import ENV, describe
 
-    print(f"allocator {active() or 'system (glibc)'} ({ENV}={os.environ.get(ENV, 'auto')})")
+    print(f"allocator {describe()} ({ENV}={os.environ.get(ENV, 'auto')})")
 
 
 def main(argv: list[str] | None = None) -> int:
