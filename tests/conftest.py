@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,6 +70,18 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def selective_everywhere(monkeypatch):
+    """The memory plan of disable_gradient_checkpointing unset, with every layer that its budget leaves without
+    checkpointing selectively checkpointed instead (ample memory would leave all of them without)."""
+    from tuneforge.model import checkpointing
+
+    chosen = checkpointing.plan
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)
+    monkeypatch.setattr(checkpointing, "plan", lambda *args: dataclasses.replace(
+        p := chosen(*args), none=0, selective=p.selective + p.none))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Gradient checkpointing per layer from a memory estimate (disable_gradient_checkpointing unset: selective or
-full), and the adapters' autocast inputs: each keeps the numbers of the plain path."""
+"""Gradient checkpointing per layer from a memory estimate (disable_gradient_checkpointing unset: none, selective
+or full), and the adapters' autocast inputs: each keeps the numbers of the plain path."""
 
 from __future__ import annotations
 
@@ -29,17 +29,35 @@ def test_the_estimates_per_token_and_layer_by_hand():
     assert per(moe, half=True) == (34 * 64 + 8 * 64) * 1.25
 
 
-def test_the_plan_makes_selective_as_many_layers_as_the_budget_holds():
-    selective = checkpointing.activation_bytes_per_token(SMOLLM2, True, "selective") * 2048
-    full = checkpointing.activation_bytes_per_token(SMOLLM2, True, "full") * 2048
+def test_the_plan_picks_the_fastest_mode_each_layer_can_have_within_the_budget():
+    tokens = 2048
+    none, selective, full = (checkpointing.activation_bytes_per_token(SMOLLM2, True, mode) * tokens
+                             for mode in ("none", "selective", "full"))
 
-    def chosen(budget: float) -> int:
-        return checkpointing.plan(SMOLLM2, 30, 2048, True, available=2 * budget).selective  # half is the budget
+    def chosen(budget: float) -> tuple[int, int, int]:
+        p = checkpointing.plan(SMOLLM2, 30, tokens, True, available=2 * budget)  # half is the budget
+        return p.none, p.selective, p.full
 
-    assert chosen(30 * selective) == 30
-    assert chosen(30 * full + 10 * (selective - full)) == 10
-    assert chosen(30 * full + 10.5 * (selective - full)) == 10
-    assert chosen(30 * full) == 0 and chosen(0.0) == 0
+    assert chosen(30 * none) == (30, 0, 0)
+    # selective on every layer first; what is left makes layers none
+    assert chosen(30 * selective + 7.5 * (none - selective)) == (7, 23, 0)
+    assert chosen(30 * selective) == (0, 30, 0)
+    assert chosen(30 * full + 10 * (selective - full)) == (0, 10, 20)
+    assert chosen(30 * full + 10.5 * (selective - full)) == (0, 10, 20)
+    assert chosen(30 * full) == (0, 0, 30) and chosen(0.0) == (0, 0, 30)
+    assert checkpointing.plan(SMOLLM2, 30, tokens, True, 2 * (30 * selective + 7 * (none - selective))).summary() \
+        == "none on 7, selective on 23 of 30 layers"
+
+
+def test_the_largest_micro_batch_counts_every_sequence_a_sample_holds(make_cfg):
+    cfg = make_cfg()
+    assert checkpointing.sequences_per_sample(cfg) == 1
+    cfg.method.stage = "dpo"
+    assert checkpointing.sequences_per_sample(cfg) == 2  # chosen and rejected
+    cfg.method.stage = "grpo"
+    assert checkpointing.sequences_per_sample(cfg) == 8  # grpo's default group
+    cfg.rl.num_generations = 4
+    assert checkpointing.sequences_per_sample(cfg) == 4
 
 
 class ProductCount(TorchDispatchMode):
@@ -64,11 +82,11 @@ def _layers(model):
     return base.model.layers
 
 
-def test_selective_recomputes_no_large_product_and_keeps_the_gradients(make_cfg, batch, monkeypatch):
+def test_selective_recomputes_no_large_product_and_keeps_the_gradients(make_cfg, batch, monkeypatch,
+                                                                     selective_everywhere):
     monkeypatch.setattr(checkpointing, "SAVED_INNER_DIM", 16)  # the tiny model's products are 32 wide
     runs = {}
-    for mode, key, available in (("none", True, 0.0), ("full", False, 0.0), ("selective", None, 1e12)):
-        monkeypatch.setattr(checkpointing, "available_bytes", lambda device, a=available: a)
+    for mode, key in (("none", True), ("full", False), ("selective", None)):
         torch.manual_seed(0)
         model = load_model(make_cfg(finetuning_type="full", disable_gradient_checkpointing=key))
         selective = [getattr(layer, "_gradient_checkpointing_func", None) is checkpointing.selective_checkpoint
@@ -98,7 +116,25 @@ def test_full_checkpointing_on_the_first_layers_when_the_budget_holds_one(make_c
     funcs = [layer._gradient_checkpointing_func for layer in _layers(model)]
     assert funcs[0] is not checkpointing.selective_checkpoint and funcs[1] is checkpointing.selective_checkpoint
     assert all(layer.gradient_checkpointing for layer in _layers(model))
-    assert "selective on 1 of 2 decoder layers, full on 1" in caplog.text
+    assert "selective on 1, full on 1 of 2 layers" in caplog.text
+
+
+def test_no_checkpointing_on_the_last_layers_when_the_budget_holds_them(make_cfg, monkeypatch, caplog):
+    cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
+    model = load_model(cfg)
+    tokens = cfg.train.per_device_train_batch_size * cfg.data.cutoff_len
+    none, selective = (checkpointing.activation_bytes_per_token(model.config, False, mode) * tokens
+                       for mode in ("none", "selective"))
+    reserved = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    monkeypatch.setattr(checkpointing, "available_bytes",
+                        lambda device: 2 * (2 * selective + (none - selective)) + reserved)
+    with caplog.at_level(logging.INFO, logger="tuneforge"):
+        layers = _layers(load_model(cfg))
+    assert layers[0].gradient_checkpointing and layers[0]._gradient_checkpointing_func is checkpointing.selective_checkpoint
+    assert not layers[1].gradient_checkpointing
+    assert "none on 1, selective on 1 of 2 layers" in caplog.text
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)
+    assert not any(layer.gradient_checkpointing for layer in _layers(load_model(cfg)))
 
 
 def test_an_explicit_setting_wins(make_cfg, monkeypatch):

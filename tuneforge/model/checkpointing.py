@@ -4,23 +4,25 @@ A decoder layer keeps, for backward, the inputs of each of its operations (`none
 the layer's input and runs its forward again in backward (`full`: a third more compute for the layer); selective
 checkpointing (torch's create_selective_checkpoint_contexts) keeps the outputs of its large matrix products and of
 attention, and recomputes only the cheap rest — norms, rotary, activations, the adapters' rank-sized products
-(`selective`). Measured on W1 (SmolLM2-135M LoRA, bf16, 2 CPU cores, docs/performance.md): none 1.30x the tokens/s
-of full, selective 1.09x (its cost there: every operation of the layer passes torch's Python dispatch mode that
-applies the policy), at 1.4x and 1.3x full's peak memory.
+(`selective`). Measured on W1 (SmolLM2-135M LoRA, 2 CPU cores, docs/performance.md): in bf16 none gave 1.30x the
+tokens/s of full and selective 1.09x, at 1.4x and 1.3x full's peak memory; in fp32 none 1.40x, selective 1.19x
+(selective's cost: every operation of the layer passes torch's Python dispatch mode that applies the policy).
 
-`disable_gradient_checkpointing` left unset (null) chooses per layer: selective on as many layers as the memory
-budget holds, full on the others (the first ones). The budget is half the memory this process can still take (the
-device's free memory after the weights, less the gradients and optimizer states to come; on a CPU the machine's
-available memory, shared by this machine's processes), for the largest possible micro-batch
-(per_device_train_batch_size x cutoff_len tokens). `false` checkpoints every layer fully, `true` none: the
-user's setting always wins. Under DeepSpeed, FSDP or sequence parallelism every layer keeps full checkpointing
-(`selective_fits`).
+`disable_gradient_checkpointing` left unset (null) chooses per layer, the fastest the memory budget holds: no
+checkpointing on as many layers as it holds once every layer has at least selective, selective on as many as it
+holds once every layer has at least full, full on the others (the first ones). The budget is half the memory this
+process can still take (the device's free memory after the weights, less the gradients and optimizer states to
+come; on a CPU the machine's available memory, shared by this machine's processes), for the largest possible
+micro-batch (per_device_train_batch_size x cutoff_len tokens per sequence, times the sequences a sample holds: a
+pair's two, an RL prompt's sampled answers). `false` checkpoints every layer fully, `true` none: the user's
+setting always wins. Under DeepSpeed, FSDP, sequence parallelism or torch_compile every layer keeps full
+checkpointing (`selective_fits`; load.py).
 
 The estimates, in bytes per token and layer under bf16 / fp16 autocast (twice that in fp32), for a Llama-style
 layer (hidden h, key/value width kv, intermediate i): none ≈ 34h + 8i (the norms keep fp32 copies, the MLP four
 intermediate-sized tensors); selective ≈ 10h + 4kv + 4i (the outputs of the seven products and of attention, the
-layer's input); full ≈ 2h. On W1's 30 layers none measured ~35 KB per token (before RMSNorm was fused and the
-adapters' fp32 input copies went), the estimate gives 32.
+layer's input); full ≈ 2h. On W1's 30 layers none measured ~35 KB per token in bf16 (before RMSNorm was fused and
+the adapters' fp32 input copies went; the estimate gives 32) and ~49 KB in fp32 (the estimate: 64).
 """
 
 from __future__ import annotations
@@ -45,16 +47,29 @@ SAVED_INNER_DIM = 256
 
 @dataclass(frozen=True)
 class Plan:
-    selective: int  # the last `selective` decoder layers; the others are fully checkpointed
+    """The last `none` decoder layers keep every activation, the `selective` layers before them are selectively
+    checkpointed, the first ones fully."""
+
+    none: int
+    selective: int
     layers: int
-    selective_bytes: float  # activations of one layer for the largest micro-batch, selective / full checkpointing
+    none_bytes: float  # activations of one layer for the largest micro-batch under each mode
+    selective_bytes: float
     full_bytes: float
     budget_bytes: float
 
+    @property
+    def full(self) -> int:
+        return self.layers - self.selective - self.none
+
+    def summary(self) -> str:
+        counts = {"none": self.none, "selective": self.selective, "full": self.full}
+        return ", ".join(f"{mode} on {count}" for mode, count in counts.items() if count) + f" of {self.layers} layers"
+
     def describe(self) -> str:
         gib = 2**30
-        return (f"selective on {self.selective} of {self.layers} decoder layers, full on {self.layers - self.selective} "
-                f"(selective on all ~{self.selective_bytes * self.layers / gib:.2f} GiB of activations, budget "
+        return (f"{self.summary()} (none on all would keep ~{self.none_bytes * self.layers / gib:.2f} GiB of "
+                f"activations, selective on all ~{self.selective_bytes * self.layers / gib:.2f} GiB; budget "
                 f"{self.budget_bytes / gib:.2f} GiB)")
 
 
@@ -94,14 +109,35 @@ def available_bytes(device: torch.device) -> float:
 
 
 def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float) -> Plan:
-    """How many layers the budget holds under selective checkpointing (the rest: full)."""
-    selective = activation_bytes_per_token(config, half, "selective") * max_tokens
-    full = activation_bytes_per_token(config, half, "full") * max_tokens
+    """The fastest modes the budget holds: every layer costs `full` at least; layers are made selective while the
+    budget holds, and once all are, made `none` while it still holds."""
+    none, selective, full = (activation_bytes_per_token(config, half, mode) * max_tokens
+                             for mode in ("none", "selective", "full"))
     budget = available * BUDGET_SHARE
-    # every layer costs `full` at least; each one made selective costs the difference more
+
+    def upgrades(spare: float, step: float) -> int:
+        return 0 if spare <= 0 else min(layers, math.floor(spare / step))
+
     spare = budget - full * layers
-    count = 0 if spare <= 0 else min(layers, math.floor(spare / (selective - full)))
-    return Plan(count, layers, selective, full, budget)
+    chosen_selective = upgrades(spare, selective - full)
+    chosen_none = upgrades(spare - (selective - full) * layers, none - selective) if chosen_selective == layers else 0
+    return Plan(chosen_none, chosen_selective - chosen_none, layers, none, selective, full, budget)
+
+
+def sequences_per_sample(cfg: Any) -> int:
+    """Sequences one training sample puts in a micro-batch: a pair's two (chosen and rejected; a judged answer
+    and its KL pair), an RL prompt's sampled answers, else one."""
+    from tuneforge.batch import PAIRED_ROWS
+    from tuneforge.stages import stage_of
+
+    rows = stage_of(cfg.method.stage).rows
+    if rows in PAIRED_ROWS:
+        return 2
+    if rows == "prompt":
+        from tuneforge.config.rl import resolved_rl
+
+        return max(resolved_rl(cfg).num_generations or 1, 1)
+    return 1
 
 
 def _keep_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -150,17 +186,20 @@ def selective_fits(cfg: Any) -> bool:
 
 def checkpoint_by_memory(model: nn.Module, layers: nn.ModuleList, cfg: Any, device: torch.device,
                          reserved: float = 0.0) -> Plan | None:
-    """Selective checkpointing on the last layers the plan holds, full on the others (full checkpointing already
-    enabled on every layer by transformers). reserved: bytes still to come outside the activations (gradients and
-    optimizer states). None when the layers do not take per-layer checkpointing."""
+    """No checkpointing on the last layers the plan holds, selective on the ones before them, full on the first
+    (full checkpointing already enabled on every layer by transformers). reserved: bytes still to come outside the
+    activations (gradients and optimizer states). None when the layers do not take per-layer checkpointing."""
     if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers) or not selective_fits(cfg):
         return None
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     t = cfg.train
-    max_tokens = t.per_device_train_batch_size * cfg.data.cutoff_len
+    max_tokens = t.per_device_train_batch_size * cfg.data.cutoff_len * sequences_per_sample(cfg)
     chosen = plan(config, len(layers), max_tokens, t.bf16 or t.fp16 or t.pure_bf16,
                   available_bytes(device) - reserved)
-    for layer in list(layers)[len(layers) - chosen.selective:]:
+    lightest = list(layers)[len(layers) - chosen.selective - chosen.none:]
+    for layer in lightest[:chosen.selective]:
         use_selective(layer)
+    for layer in lightest[chosen.selective:]:
+        layer.gradient_checkpointing = False
     logger.info("gradient checkpointing (from the memory estimate): %s", chosen.describe())
     return chosen

@@ -170,7 +170,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
         upcast_trainable_params(model)
     checkpointing = "off" if m.disable_gradient_checkpointing else "on"
     if m.disable_gradient_checkpointing is None and (chosen := _checkpoint_by_memory(model, cfg, device)):
-        checkpointing = f"selective on {chosen.selective} of {chosen.layers} layers, full on the rest"
+        checkpointing = chosen.summary()
     compile_layers(model, cfg.train)
     model.train()
     logger.info(
@@ -361,7 +361,7 @@ def _prepare_quantized(model: PreTrainedModel) -> None:
 
 
 def _checkpoint_by_memory(model: torch.nn.Module, cfg: RunConfig, device: torch.device):
-    """disable_gradient_checkpointing unset: selective checkpointing on the layers the memory estimate holds. Not
+    """disable_gradient_checkpointing unset: each layer's mode from the memory estimate (none, selective, full). Not
     with torch_compile: its compiled parts of a checkpointed layer would run under selective checkpointing's
     dispatch mode, which torch.compile does not trace; every layer stays fully checkpointed then."""
     if compiles(cfg.train):
