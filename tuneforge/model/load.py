@@ -15,6 +15,7 @@ from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, decoder_layers, load_adapter, upcast_trainable_params
 from tuneforge.model.checkpointing import checkpoint_by_memory
 from tuneforge.model.fused_norm import fuse_rms_norms
+from tuneforge.model.lean_mlp import lean_gated_mlps
 from tuneforge.model.hub import resolve, resolve_adapter
 from tuneforge.model.kernels import (
     check_liger,
@@ -161,8 +162,9 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     patch_model(model, cfg)  # liger-kernel, fp8, upcast_layernorm, upcast_lmhead_output
     if quant is not None or saved is not None:
         _prepare_quantized(model)
-    if not liger_enabled(cfg):  # liger has its own RMSNorm kernel
+    if not liger_enabled(cfg):  # liger has its own RMSNorm and SwiGLU kernels
         fuse_rms_norms(model)
+        lean_gated_mlps(model)
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = apply_finetuning(model, cfg)
