@@ -35,7 +35,8 @@ IGNORED: dict[str, str] = {
     "low_cpu_mem_usage": "models always load with low memory use",
     "use_fast_tokenizer": "the fast tokenizer is always used",
     "ignore_pad_token_for_loss": "padding never counts in the loss",
-    "gradient_checkpointing": "on by default; disable with disable_gradient_checkpointing",
+    "gradient_checkpointing": "chosen per layer by memory by default; every layer with "
+                              "disable_gradient_checkpointing: false, none with true",
     "print_param_status": "trainable parameters are always summarized",
     "data_shared_file_system": "only the main process tokenizes",
     "trust_remote_code_for_tokenizer": "trust_remote_code covers both",

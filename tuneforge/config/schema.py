@@ -41,12 +41,11 @@ HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 SWANLAB_MODES = ("cloud", "online", "local", "offline", "disabled")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 UNSLOTH = ("needs the unsloth package, which replaces transformers' model code with its own CUDA kernels; tuneforge "
-           "does not load it. Its LoRA is tuneforge's own (finetuning_type: lora) with gradient checkpointing (on by "
-           "default); on CUDA, enable_liger_kernel and torch_compile give fused kernels. Remove use_unsloth")
+           "does not load it. Its LoRA is tuneforge's own (finetuning_type: lora) with gradient checkpointing (per layer by "
+           "memory by default); on CUDA, enable_liger_kernel and torch_compile give fused kernels. Remove use_unsloth")
 UNSLOTH_GC = ("is Unsloth's gradient checkpointing (saved activations offloaded to CPU memory), which tuneforge does not "
-              "have; torch's gradient checkpointing is on by default (per layer by memory; every layer with "
-              "disable_gradient_checkpointing: false). Remove "
-              "use_unsloth_gc")
+              "have; torch's gradient checkpointing is chosen per layer by memory by default (every layer with "
+              "disable_gradient_checkpointing: false). Remove use_unsloth_gc")
 MOD = ("needs the mixture-of-depth package, whose last release (1.2.0) does not import with transformers 5 "
        "(it reads transformers.TRANSFORMERS_CACHE, which is gone) and wraps decoder layers by transformers 4's call "
        "convention; remove mixture_of_depths")
@@ -78,9 +77,9 @@ class ModelArgs:
     use_kernels: bool = opt(False, help="let transformers swap in Hugging Face hub kernels (downloaded code, GPU "
                                         "only; off: transformers' own layers, which work offline)")
     disable_gradient_checkpointing: bool | None = opt(
-        None, help="unset (null): per decoder layer from a memory estimate — selective checkpointing (keeps the "
-                   "matrix products' outputs, recomputes the rest) where the budget holds it, full elsewhere; "
-                   "false: full on every layer; true: off")
+        None, help="unset (null): per decoder layer from a memory estimate, the fastest the budget holds — "
+                   "none, else selective checkpointing (keeps the matrix products' outputs, recomputes the rest), "
+                   "else full; false: full on every layer (the least memory); true: off")
     # kernels and precision of the model's own layers (tuneforge/model/kernels.py)
     upcast_layernorm: bool = opt(False, help="keep the norm layers' weights in fp32 when the model loads in bf16 / fp16")
     upcast_lmhead_output: bool = opt(False, help="the vocabulary head's output in fp32 under bf16 / fp16 (tuneforge's "

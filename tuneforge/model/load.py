@@ -15,7 +15,6 @@ from tuneforge.model import attention
 from tuneforge.model.adapters import apply_finetuning, decoder_layers, load_adapter, upcast_trainable_params
 from tuneforge.model.checkpointing import checkpoint_by_memory
 from tuneforge.model.fused_norm import fuse_rms_norms
-from tuneforge.model.lean_mlp import lean_gated_mlps
 from tuneforge.model.hub import resolve, resolve_adapter
 from tuneforge.model.kernels import (
     check_liger,
@@ -25,6 +24,7 @@ from tuneforge.model.kernels import (
     set_tf32,
     upcast_norms,
 )
+from tuneforge.model.lean_mlp import lean_gated_mlps
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
