@@ -12,14 +12,11 @@ norm's dtype, must agree exactly. A class that does not is left as it is.
 
 from __future__ import annotations
 
-import logging
-from types import MethodType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from tuneforge.model.probed_swap import swap_forwards
 
 
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -43,21 +40,12 @@ def _agrees(module: nn.Module) -> bool:
         return False
 
 
+def _is_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and bool(weight.numel()) and weight.is_floating_point() and _eps(module) is not None)
+
+
 def fuse_rms_norms(model: nn.Module) -> int:
     """Swap in the fused forward on every RMSNorm whose class passes the probe; how many were swapped."""
-    verdicts: dict[type, bool] = {}
-    count = 0
-    for module in model.modules():
-        cls = type(module)
-        weight = getattr(module, "weight", None)
-        if (not cls.__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or weight.dim() != 1
-                or not weight.numel() or not weight.is_floating_point() or _eps(module) is None):
-            continue
-        if cls not in verdicts:
-            verdicts[cls] = _agrees(module)
-        if verdicts[cls]:
-            module.forward = MethodType(_fused_forward, module)
-            count += 1
-    if verdicts:
-        logger.debug("fused RMSNorm: %s", {c.__name__: v for c, v in verdicts.items()})
-    return count
+    return swap_forwards(model, _is_rms_norm, _agrees, _fused_forward, "fused RMSNorm")

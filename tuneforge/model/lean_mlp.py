@@ -15,14 +15,13 @@ give the same output and the same input gradient, exactly. A class with another 
 
 from __future__ import annotations
 
-import logging
 from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from tuneforge.model.probed_swap import swap_forwards
 
 
 class SiluMul(torch.autograd.Function):
@@ -64,20 +63,11 @@ def _agrees(module: nn.Module) -> bool:
         return False
 
 
+def _is_gated_mlp(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, name, None), nn.Module)
+               for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
 def lean_gated_mlps(model: nn.Module) -> int:
     """Swap in the lean forward on every gated MLP whose class passes the probe; how many were swapped."""
-    verdicts: dict[type, bool] = {}
-    count = 0
-    for module in model.modules():
-        if not all(isinstance(getattr(module, name, None), nn.Module)
-                   for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            continue
-        cls = type(module)
-        if cls not in verdicts:
-            verdicts[cls] = _agrees(module)
-        if verdicts[cls]:
-            module.forward = MethodType(_lean_forward, module)
-            count += 1
-    if verdicts:
-        logger.debug("lean gated MLP: %s", {c.__name__: v for c, v in verdicts.items()})
-    return count
+    return swap_forwards(model, _is_gated_mlp, _agrees, _lean_forward, "lean gated MLP")
