@@ -102,35 +102,33 @@ def test_selective_recomputes_no_large_product_and_keeps_the_gradients(make_cfg,
             torch.testing.assert_close(runs[mode][1][name], grad, rtol=1e-5, atol=1e-7)
 
 
-def test_full_checkpointing_on_the_first_layers_when_the_budget_holds_one(make_cfg, monkeypatch, caplog):
-    cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
+def _load_within(cfg, monkeypatch, caplog, budget):
+    """The layers of cfg's model loaded where the plan's budget (half the memory available after the optimizer's
+    reserve) is budget(per_layer), per_layer: each mode's activations of one layer for cfg's largest micro-batch."""
     model = load_model(cfg)
     tokens = cfg.train.per_device_train_batch_size * cfg.data.cutoff_len
-    per = checkpointing.activation_bytes_per_token
-    full, selective = (per(model.config, False, mode) * tokens for mode in ("full", "selective"))
+    per_layer = {mode: checkpointing.activation_bytes_per_token(model.config, False, mode) * tokens
+                 for mode in ("none", "selective", "full")}
     reserved = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    monkeypatch.setattr(checkpointing, "available_bytes",
-                        lambda device: 2 * (2 * full + (selective - full)) + reserved)
+    monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 2 * budget(per_layer) + reserved)
     with caplog.at_level(logging.INFO, logger="tuneforge"):
-        model = load_model(cfg)
-    funcs = [layer._gradient_checkpointing_func for layer in _layers(model)]
+        return _layers(load_model(cfg))
+
+
+def test_full_checkpointing_on_the_first_layers_when_the_budget_holds_one(make_cfg, monkeypatch, caplog):
+    cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
+    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["full"] + (b["selective"] - b["full"]))
+    funcs = [layer._gradient_checkpointing_func for layer in layers]
     assert funcs[0] is not checkpointing.selective_checkpoint and funcs[1] is checkpointing.selective_checkpoint
-    assert all(layer.gradient_checkpointing for layer in _layers(model))
+    assert all(layer.gradient_checkpointing for layer in layers)
     assert "selective on 1, full on 1 of 2 layers" in caplog.text
 
 
 def test_no_checkpointing_on_the_last_layers_when_the_budget_holds_them(make_cfg, monkeypatch, caplog):
     cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
-    model = load_model(cfg)
-    tokens = cfg.train.per_device_train_batch_size * cfg.data.cutoff_len
-    none, selective = (checkpointing.activation_bytes_per_token(model.config, False, mode) * tokens
-                       for mode in ("none", "selective"))
-    reserved = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    monkeypatch.setattr(checkpointing, "available_bytes",
-                        lambda device: 2 * (2 * selective + (none - selective)) + reserved)
-    with caplog.at_level(logging.INFO, logger="tuneforge"):
-        layers = _layers(load_model(cfg))
-    assert layers[0].gradient_checkpointing and layers[0]._gradient_checkpointing_func is checkpointing.selective_checkpoint
+    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["selective"] + (b["none"] - b["selective"]))
+    assert layers[0].gradient_checkpointing
+    assert layers[0]._gradient_checkpointing_func is checkpointing.selective_checkpoint
     assert not layers[1].gradient_checkpointing
     assert "none on 1, selective on 1 of 2 layers" in caplog.text
     monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)

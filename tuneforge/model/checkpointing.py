@@ -37,6 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tuneforge.batch import PAIRED_ROWS
+from tuneforge.config.rl import resolved_rl
+from tuneforge.stages import stage_of
+
 logger = logging.getLogger(__name__)
 BUDGET_SHARE = 0.5  # of the memory still available: the rest is for the head's chunks, the data, the allocator
 SAFETY = 1.25  # the estimates' margin (allocator fragmentation, family differences)
@@ -127,15 +131,10 @@ def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float
 def sequences_per_sample(cfg: Any) -> int:
     """Sequences one training sample puts in a micro-batch: a pair's two (chosen and rejected; a judged answer
     and its KL pair), an RL prompt's sampled answers, else one."""
-    from tuneforge.batch import PAIRED_ROWS
-    from tuneforge.stages import stage_of
-
     rows = stage_of(cfg.method.stage).rows
     if rows in PAIRED_ROWS:
         return 2
     if rows == "prompt":
-        from tuneforge.config.rl import resolved_rl
-
         return max(resolved_rl(cfg).num_generations or 1, 1)
     return 1
 
