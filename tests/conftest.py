@@ -80,8 +80,8 @@ def selective_everywhere(monkeypatch):
 
     chosen = checkpointing.plan
     monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)
-    monkeypatch.setattr(checkpointing, "plan", lambda *args: dataclasses.replace(
-        p := chosen(*args), none=0, selective=p.selective + p.none))
+    monkeypatch.setattr(checkpointing, "plan", lambda *args, **kwargs: dataclasses.replace(
+        p := chosen(*args, **kwargs), none=0, selective=p.selective + p.none))
 
 
 @pytest.fixture(scope="session")

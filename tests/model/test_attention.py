@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tuneforge.batch import Layout
 from tuneforge.data.collate import Collator
@@ -50,22 +53,44 @@ def test_flattened_batch_matches_the_padded_batch(tiny_model_dir, implementation
 def test_packed_sdpa_runs_each_sequence_on_its_own(tiny_model_dir, monkeypatch):
     """The per-sequence kernel calls are causal and mask-free: never the whole row under a mask."""
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import sdpa_attention
 
     attention.register()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.set_attn_implementation(attention.PACKED_SDPA)
     calls = []
-    original = sdpa_attention.sdpa_attention_forward
+    original = F.scaled_dot_product_attention
 
-    def spy(module, query, key, value, attention_mask, **kwargs):
-        calls.append((query.shape[2], attention_mask is None, kwargs.get("is_causal")))
-        return original(module, query, key, value, attention_mask, **kwargs)
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[2], attn_mask is None, kwargs.get("is_causal")))
+        return original(query, key, value, attn_mask, **kwargs)
 
-    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     with torch.no_grad():
         model(**Collator(2, Layout(flat=True))(rows()).model_inputs)
     assert calls == [(7, True, True), (3, True, True), (12, True, True)] * model.config.num_hidden_layers
+
+
+def test_packed_sdpa_gives_transformers_sdpa_numbers_per_sequence():
+    """Each sequence's output (and the gradients) exactly as transformers' sdpa path gives it for that sequence
+    alone, grouped-query heads included, a one-token sequence too."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, heads, 13, 8, generator=generator) for heads in (6, 2, 2)]
+    bounds = torch.tensor([0, 7, 8, 13], dtype=torch.int32)
+    results = []
+    for per_sequence in (True, False):
+        q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+        if per_sequence:
+            out = torch.cat([sdpa_attention_forward(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None,
+                                                    is_causal=True)[0] for s, e in ((0, 7), (7, 8), (8, 13))], dim=1)
+        else:
+            out = attention.packed_sdpa_attention_forward(module, q, k, v, None, cu_seq_lens_q=bounds)[0]
+        out.pow(2).sum().backward()
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_generation_keeps_sdpa_behaviour(tiny_model_dir):

@@ -27,6 +27,9 @@ def test_the_estimates_per_token_and_layer_by_hand():
     moe = SimpleNamespace(hidden_size=64, num_attention_heads=4, intermediate_size=999, num_experts_per_tok=2,
                           moe_intermediate_size=32)
     assert per(moe, half=True) == (34 * 64 + 8 * 64) * 1.25
+    # a lean layer keeps its input, q, k, v, attention's output (twice on padded batches), the second norm's input,
+    # gate and up: no more than selective keeps
+    assert per(SMOLLM2, half=True, lean=True) == (10 * 576 + 4 * 192 + 4 * 1536) * 1.25
 
 
 def test_the_plan_picks_the_fastest_mode_each_layer_can_have_within_the_budget():
@@ -47,6 +50,20 @@ def test_the_plan_picks_the_fastest_mode_each_layer_can_have_within_the_budget()
     assert chosen(30 * full) == (0, 0, 30) and chosen(0.0) == (0, 0, 30)
     assert checkpointing.plan(SMOLLM2, 30, tokens, True, 2 * (30 * selective + 7 * (none - selective))).summary() \
         == "none on 7, selective on 23 of 30 layers"
+
+
+def test_lean_layers_go_from_full_straight_to_none():
+    tokens = 2048
+    none, full = (checkpointing.activation_bytes_per_token(SMOLLM2, True, mode, lean=True) * tokens
+                  for mode in ("none", "full"))
+
+    def chosen(budget: float) -> tuple[int, int, int]:
+        p = checkpointing.plan(SMOLLM2, 30, tokens, True, available=2 * budget, lean=True)
+        return p.none, p.selective, p.full
+
+    assert chosen(30 * none) == (30, 0, 0)
+    assert chosen(30 * full + 12.5 * (none - full)) == (12, 0, 18)
+    assert chosen(30 * full) == (0, 0, 30)
 
 
 def test_the_largest_micro_batch_counts_every_sequence_a_sample_holds(make_cfg):
@@ -102,12 +119,16 @@ def test_selective_recomputes_no_large_product_and_keeps_the_gradients(make_cfg,
             torch.testing.assert_close(runs[mode][1][name], grad, rtol=1e-5, atol=1e-7)
 
 
-def _load_within(cfg, monkeypatch, caplog, budget):
+def _load_within(cfg, monkeypatch, caplog, budget, lean=True):
     """The layers of cfg's model loaded where the plan's budget (half the memory available after the optimizer's
-    reserve) is budget(per_layer), per_layer: each mode's activations of one layer for cfg's largest micro-batch."""
+    reserve) is budget(per_layer), per_layer: each mode's activations of one layer for cfg's largest micro-batch.
+    lean=False: the MLPs keep their own forward (so their layers are not lean)."""
+    if not lean:
+        monkeypatch.setattr("tuneforge.model.load.lean_gated_mlps", lambda model: 0)
     model = load_model(cfg)
+    assert checkpointing.keeps_lean(_layers(model)[0], half=False) == lean
     tokens = cfg.train.per_device_train_batch_size * cfg.data.cutoff_len
-    per_layer = {mode: checkpointing.activation_bytes_per_token(model.config, False, mode) * tokens
+    per_layer = {mode: checkpointing.activation_bytes_per_token(model.config, False, mode, lean) * tokens
                  for mode in ("none", "selective", "full")}
     reserved = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 2 * budget(per_layer) + reserved)
@@ -117,7 +138,8 @@ def _load_within(cfg, monkeypatch, caplog, budget):
 
 def test_full_checkpointing_on_the_first_layers_when_the_budget_holds_one(make_cfg, monkeypatch, caplog):
     cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
-    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["full"] + (b["selective"] - b["full"]))
+    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["full"] + (b["selective"] - b["full"]),
+                          lean=False)
     funcs = [layer._gradient_checkpointing_func for layer in layers]
     assert funcs[0] is not checkpointing.selective_checkpoint and funcs[1] is checkpointing.selective_checkpoint
     assert all(layer.gradient_checkpointing for layer in layers)
@@ -126,13 +148,23 @@ def test_full_checkpointing_on_the_first_layers_when_the_budget_holds_one(make_c
 
 def test_no_checkpointing_on_the_last_layers_when_the_budget_holds_them(make_cfg, monkeypatch, caplog):
     cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
-    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["selective"] + (b["none"] - b["selective"]))
+    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["selective"] + (b["none"] - b["selective"]),
+                          lean=False)
     assert layers[0].gradient_checkpointing
     assert layers[0]._gradient_checkpointing_func is checkpointing.selective_checkpoint
     assert not layers[1].gradient_checkpointing
     assert "none on 1, selective on 1 of 2 layers" in caplog.text
     monkeypatch.setattr(checkpointing, "available_bytes", lambda device: 1e12)
     assert not any(layer.gradient_checkpointing for layer in _layers(load_model(cfg)))
+
+
+def test_lean_layers_skip_selective_checkpointing(make_cfg, monkeypatch, caplog):
+    cfg = make_cfg(finetuning_type="lora", disable_gradient_checkpointing=None)
+    layers = _load_within(cfg, monkeypatch, caplog, lambda b: 2 * b["full"] + (b["none"] - b["full"]))
+    assert layers[0].gradient_checkpointing
+    assert layers[0]._gradient_checkpointing_func is not checkpointing.selective_checkpoint
+    assert not layers[1].gradient_checkpointing
+    assert "none on 1, full on 1 of 2 layers" in caplog.text
 
 
 def test_an_explicit_setting_wins(make_cfg, monkeypatch):

@@ -19,7 +19,9 @@ It is registered with transformers as PACKED_SDPA. Calls without `cu_seq_lens_q`
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from tuneforge.model.recompute import remember
 from tuneforge.trunk import unwrapped
 
 PACKED_SDPA = "tuneforge_packed_sdpa"
@@ -44,12 +46,23 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
     edges = bounds.tolist()
     lengths = [e - s for s, e in zip(edges[:-1], edges[1:], strict=True)]
     # split, not slices: the gradient of a split is one cat, where each slice's would be a zeroed full-size tensor
+    sequences = zip(*(t[:, :, edges[0]:edges[-1]].split(lengths, dim=2) for t in (query, key, value)), strict=True)
+    if kwargs.get("position_bias") is None and kwargs.get("softcap") is None:
+        # sdpa's causal kernel as sdpa_attention_forward calls it without a mask, each sequence's output kept once:
+        # by sdpa for its backward, o_proj's input a recipe on those (recompute.py)
+        outputs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=q.shape[2] > 1,
+                                                  enable_gqa=q.shape[1] != k.shape[1]) for q, k, v in sequences]
+        return remember(_side_by_side(*outputs), _side_by_side, *outputs), None
     pieces = [
         sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
-        for q, k, v in zip(*(t[:, :, edges[0]:edges[-1]].split(lengths, dim=2) for t in (query, key, value)),
-                           strict=True)
+        for q, k, v in sequences
     ]
     return torch.cat(pieces, dim=1), None  # (1, N, heads, head_dim), as sdpa_attention_forward returns
+
+
+def _side_by_side(*outputs: torch.Tensor) -> torch.Tensor:
+    """sdpa's (1, heads, n, head_dim) outputs of consecutive sequences as one (1, N, heads, head_dim) tensor."""
+    return torch.cat([o.transpose(1, 2) for o in outputs], dim=1)
 
 
 def _shared_prefix_attention(module, query, key, value, groups, dropout, scaling, **kwargs):

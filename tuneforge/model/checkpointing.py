@@ -39,6 +39,8 @@ from torch import nn
 
 from tuneforge.batch import PAIRED_ROWS
 from tuneforge.config.rl import resolved_rl
+from tuneforge.model.fused_norm import is_fused
+from tuneforge.model.lean_mlp import is_lean
 from tuneforge.stages import stage_of
 
 logger = logging.getLogger(__name__)
@@ -90,12 +92,21 @@ def _widths(config: Any) -> tuple[int, int, int]:
     return hidden, kv, intermediate
 
 
-def activation_bytes_per_token(config: Any, half: bool, mode: str = "none") -> float:
-    """What one decoder layer keeps for backward per token under `mode` (none, selective, full), in bytes."""
+def activation_bytes_per_token(config: Any, half: bool, mode: str = "none", lean: bool = False) -> float:
+    """What one decoder layer keeps for backward per token under `mode` (none, selective, full), in bytes. lean:
+    the layer's norms and MLP keep what recompute.py spares them (`keeps_lean`)."""
     hidden, kv, intermediate = _widths(config)
-    per_token = {"none": 34 * hidden + 8 * intermediate, "selective": 10 * hidden + 4 * kv + 4 * intermediate,
-                 "full": 2 * hidden}[mode]
+    none = 10 * hidden + 4 * kv + 4 * intermediate if lean else 34 * hidden + 8 * intermediate
+    per_token = {"none": none, "selective": 10 * hidden + 4 * kv + 4 * intermediate, "full": 2 * hidden}[mode]
     return per_token * (1 if half else 2) * SAFETY
+
+
+def keeps_lean(layer: nn.Module, half: bool) -> bool:
+    """The layer's RMSNorms are fused and its gated MLP lean (their outputs kept as recipes, recompute.py), and under
+    half precision its frozen weights are half too (else autocast keeps a half copy of each product's input)."""
+    frozen = [p for p in layer.parameters() if not p.requires_grad]
+    half_weights = bool(frozen) and all(p.dtype in (torch.bfloat16, torch.float16) for p in frozen)
+    return is_fused(layer) and is_lean(layer) and (half_weights or not half)
 
 
 def available_bytes(device: torch.device) -> float:
@@ -112,10 +123,11 @@ def available_bytes(device: torch.device) -> float:
     return free / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
-def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float) -> Plan:
+def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float, lean: bool = False) -> Plan:
     """The fastest modes the budget holds: every layer costs `full` at least; layers are made selective while the
-    budget holds, and once all are, made `none` while it still holds."""
-    none, selective, full = (activation_bytes_per_token(config, half, mode) * max_tokens
+    budget holds, and once all are, made `none` while it still holds. Where none keeps no more than selective
+    (lean layers), layers go from full straight to none."""
+    none, selective, full = (activation_bytes_per_token(config, half, mode, lean) * max_tokens
                              for mode in ("none", "selective", "full"))
     budget = available * BUDGET_SHARE
 
@@ -123,6 +135,8 @@ def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float
         return 0 if spare <= 0 else min(layers, math.floor(spare / step))
 
     spare = budget - full * layers
+    if none <= selective:
+        return Plan(upgrades(spare, none - full), 0, layers, none, selective, full, budget)
     chosen_selective = upgrades(spare, selective - full)
     chosen_none = upgrades(spare - (selective - full) * layers, none - selective) if chosen_selective == layers else 0
     return Plan(chosen_none, chosen_selective - chosen_none, layers, none, selective, full, budget)
@@ -193,8 +207,9 @@ def checkpoint_by_memory(model: nn.Module, layers: nn.ModuleList, cfg: Any, devi
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     t = cfg.train
     max_tokens = t.per_device_train_batch_size * cfg.data.cutoff_len * sequences_per_sample(cfg)
-    chosen = plan(config, len(layers), max_tokens, t.bf16 or t.fp16 or t.pure_bf16,
-                  available_bytes(device) - reserved)
+    half = t.bf16 or t.fp16 or t.pure_bf16
+    chosen = plan(config, len(layers), max_tokens, half, available_bytes(device) - reserved,
+                  lean=keeps_lean(layers[0], half))
     lightest = list(layers)[len(layers) - chosen.selective - chosen.none:]
     for layer in lightest[:chosen.selective]:
         use_selective(layer)

@@ -12,15 +12,24 @@ norm's dtype, must agree exactly. A class that does not is left as it is.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tuneforge.model.probed_swap import swap_forwards
+from tuneforge.model.probed_swap import swap_forwards, swapped
+from tuneforge.model.recompute import remember
+
+
+def _normed(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=eps)
 
 
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return self.weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=_eps(self))
+    eps = _eps(self)
+    # the next products' input is kept as a recipe on the norm's input, which the norm keeps anyway (recompute.py)
+    return remember(_normed(hidden_states, self.weight, eps), partial(_normed, eps=eps), hidden_states, self.weight)
 
 
 def _eps(module: nn.Module) -> float | None:
@@ -49,3 +58,8 @@ def _is_rms_norm(module: nn.Module) -> bool:
 def fuse_rms_norms(model: nn.Module) -> int:
     """Swap in the fused forward on every RMSNorm whose class passes the probe; how many were swapped."""
     return swap_forwards(model, _is_rms_norm, _agrees, _fused_forward, "fused RMSNorm")
+
+
+def is_fused(module: nn.Module) -> bool:
+    """Whether an RMSNorm in module runs the fused forward."""
+    return swapped(module, _fused_forward)

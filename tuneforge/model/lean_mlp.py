@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tuneforge.model.probed_swap import swap_forwards
+from tuneforge.model.probed_swap import swap_forwards, swapped
+from tuneforge.model.recompute import remember
 
 
 class SiluMul(torch.autograd.Function):
@@ -30,7 +31,7 @@ class SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return _silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -40,8 +41,14 @@ class SiluMul(torch.autograd.Function):
         return d_gate, d_up
 
 
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up  # SiluMul's forward: the product computed again is the same bit for bit
+
+
 def _lean_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    # down_proj's input is kept as a recipe on gate and up, which SiluMul keeps anyway (recompute.py)
+    return self.down_proj(remember(SiluMul.apply(gate, up), _silu_mul, gate, up))
 
 
 def _agrees(module: nn.Module) -> bool:
@@ -71,3 +78,8 @@ def _is_gated_mlp(module: nn.Module) -> bool:
 def lean_gated_mlps(model: nn.Module) -> int:
     """Swap in the lean forward on every gated MLP whose class passes the probe; how many were swapped."""
     return swap_forwards(model, _is_gated_mlp, _agrees, _lean_forward, "lean gated MLP")
+
+
+def is_lean(module: nn.Module) -> bool:
+    """Whether a gated MLP in module runs the lean forward."""
+    return swapped(module, _lean_forward)

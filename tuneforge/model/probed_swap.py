@@ -30,3 +30,8 @@ def swap_forwards(model: nn.Module, eligible: Callable[[nn.Module], bool], agree
     if verdicts:
         logger.debug("%s: %s", what, {c.__name__: v for c, v in verdicts.items()})
     return count
+
+
+def swapped(module: nn.Module, forward: Callable) -> bool:
+    """Whether `forward` runs on `module` or one of its submodules."""
+    return any(getattr(m.forward, "__func__", None) is forward for m in module.modules())

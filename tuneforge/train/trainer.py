@@ -50,9 +50,12 @@ from transformers import set_seed
 
 from tuneforge.batch import Batch, sample_seed
 from tuneforge.config import RunConfig
+from tuneforge.config.kernels import compiles
 from tuneforge.config.schedules import SCHEDULES
 from tuneforge.errors import DataError, TrainingError
+from tuneforge.model.checkpointing import selective_fits
 from tuneforge.model.mixed_precision import autocast_inputs, plain_lora_layers
+from tuneforge.model.recompute import recomputing
 from tuneforge.train import callbacks as _callbacks
 from tuneforge.train import checkpoint, reporters, sequence_parallel
 from tuneforge.train.neftune import NEFTune
@@ -338,6 +341,9 @@ class Trainer:
         self.pissa_init: Path | None = None  # the run's initial PiSSA adapter (set by _start)
         self._noising: Callable[[Batch], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
         self._plain_lora = plain_lora_layers(model)
+        # activations cheap to compute again are kept as recipes (model/recompute.py); not where parameters are
+        # gathered and released inside a layer (DeepSpeed, FSDP) or compiled
+        self._recomputing = recomputing if selective_fits(cfg) and not compiles(t) else contextlib.nullcontext
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -440,7 +446,7 @@ class Trainer:
             last = i == len(batches) - 1  # gradients are reduced over ranks once per step: with the last backward
             with self.strategy.accumulating(last):
                 batch = self._to_device(batch)
-                with self._autocast(), self._noising(batch):
+                with self._autocast(), self._noising(batch), self._recomputing():
                     out = self.step_module(batch)
                 with self._adapter_inputs():  # checkpointed layers recompute in backward: as in the forward
                     self.strategy.backward(out.loss_sum * scale, last)
