@@ -12,6 +12,7 @@ from model_helpers import loss_and_backward
 from torch import nn
 
 from tuneforge.model import attention, fused_norm, lean_mlp, load_model, recompute
+from tuneforge.model.mixed_precision import autocast_inputs, plain_lora_layers
 
 
 @pytest.fixture
@@ -164,27 +165,32 @@ def test_an_input_changed_in_place_after_the_forward_is_refused_not_used():
         loss.backward()
 
 
-def test_a_lora_step_of_the_tiny_llama_is_bit_identical_with_less_kept(make_cfg, batch, kept):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_step_of_the_tiny_llama_is_bit_identical_with_less_kept(make_cfg, batch, kept, dtype):
     torch.manual_seed(0)
-    model = load_model(make_cfg(finetuning_type="lora", disable_gradient_checkpointing=True))
+    bf16 = dtype == torch.bfloat16
+    model = load_model(make_cfg(finetuning_type="lora", disable_gradient_checkpointing=True, bf16=bf16))
     for name, param in model.named_parameters():  # B starts at zero, which would leave A without a gradient
         if ".lora_B." in name:
             param.data.copy_(torch.linspace(-0.1, 0.1, param.numel()).view_as(param))
+    layers = plain_lora_layers(model)
 
     def step(recipes_on: bool):
         model.zero_grad()
-        with recompute.recomputing() if recipes_on else torch.enable_grad():
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with recompute.recomputing() if recipes_on else torch.enable_grad(), autocast_inputs(layers):
+            return loss_and_backward(model, batch, dtype).detach(), {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     (plain_loss, plain_grads), (loss, grads) = step(False), step(True)
     assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys() and grads
     for name, grad in plain_grads.items():
         assert torch.equal(grads[name], grad), name
-    (plain_bytes, _), (bytes_, recipes) = (kept(lambda: loss_and_backward(model, batch), False),
-                                           kept(lambda: loss_and_backward(model, batch)))
-    # per layer: both norms' outputs and the MLP's product (the final norm's output feeds the frozen head only)
-    assert recipes == 2 * 3
-    tokens = batch.numel()
-    assert plain_bytes - bytes_ == 2 * tokens * 4 * (2 * model.config.hidden_size + model.config.intermediate_size)
+    with autocast_inputs(layers):
+        (plain_bytes, _), (bytes_, recipes) = (kept(lambda: loss_and_backward(model, batch, dtype), False),
+                                               kept(lambda: loss_and_backward(model, batch, dtype)))
+    # per layer: both norms' outputs and the MLP's product (the final norm's output feeds the frozen head only); in
+    # bf16 also the norms' fp32 copies of their input, kept as recipes on the bf16 input: two per layer, less the
+    # first norm's (its input, the frozen embeddings' output, needs no gradient), plus the final norm's
+    h, i, tokens = model.config.hidden_size, model.config.intermediate_size, batch.numel()
+    assert recipes == 2 * (5 if bf16 else 3)
+    assert plain_bytes - bytes_ == 2 * tokens * (2 * (2 * h + i) + 2 * 4 * h if bf16 else 4 * (2 * h + i))

@@ -23,7 +23,19 @@ from tuneforge.model.recompute import remember
 
 
 def _normed(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
-    return weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=eps)
+    if hidden_states.dtype in (torch.float16, torch.bfloat16) and hidden_states.device.type == "cpu":
+        # on a CPU rms_norm upcasts a half input and keeps the fp32 copy for backward (on CUDA it is one kernel that
+        # keeps the half input): the copy is kept as a recipe on the half input instead, half the bytes; rms_norm of
+        # the fp32 copy, cast back, is what it computes for the half input
+        upcast = remember(hidden_states.float(), _to_float, hidden_states)
+        normed = F.rms_norm(upcast, (hidden_states.shape[-1],), eps=eps).to(hidden_states.dtype)
+    else:
+        normed = F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=eps)
+    return weight * normed
+
+
+def _to_float(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float()
 
 
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
