@@ -83,8 +83,8 @@ def remember(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.
 
 
 def _pack(saved: torch.Tensor) -> Any:
-    if not _marked or type(saved) is not torch.Tensor:  # parameters, subclasses: never marked
-        return saved
+    if not _marked or type(saved) is not torch.Tensor or saved.layout is not torch.strided:
+        return saved  # parameters, subclasses, sparse tensors: never marked
     recipe = _marked.get(saved.untyped_storage().data_ptr())
     if recipe is None:
         return saved
