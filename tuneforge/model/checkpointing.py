@@ -100,8 +100,9 @@ def activation_bytes_per_token(config: Any, half: bool, mode: str = "none", lean
     """What one decoder layer keeps for backward per token under `mode` (none, selective, full), in bytes. lean:
     the layer's norms and MLP keep what recompute.py spares them (`keeps_lean`)."""
     hidden, kv, intermediate = _widths(config)
-    none = 10 * hidden + 4 * kv + 4 * intermediate if lean else 34 * hidden + 8 * intermediate
-    per_token = {"none": none, "selective": 10 * hidden + 4 * kv + 4 * intermediate, "full": 2 * hidden}[mode]
+    selective = 10 * hidden + 4 * kv + 4 * intermediate
+    none = selective if lean else 34 * hidden + 8 * intermediate  # a lean layer keeps what selective keeps
+    per_token = {"none": none, "selective": selective, "full": 2 * hidden}[mode]
     return per_token * (1 if half else 2) * SAFETY
 
 
