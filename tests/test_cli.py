@@ -1,9 +1,14 @@
 """The command line as a user meets it: exit codes, messages without tracebacks, the summary."""
 
+import importlib.util
+import logging
 import subprocess
 import sys
 
-from tuneforge import __version__
+import pytest
+import torch
+
+from tuneforge import __version__, logs
 from tuneforge.cli import main
 
 
@@ -21,6 +26,30 @@ def test_env_lists_versions_and_device(capsys):
     out = capsys.readouterr().out
     assert "torch " in out and "transformers " in out and "peft " in out
     assert "device " in out and "threads " in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA kernels' notices are kept where CUDA is")
+def test_env_log_has_no_torchao_import_notices():
+    r = run_cli("env")  # a fresh process: torchao is imported (through transformers) after the log is set up
+    assert r.returncode == 0, r.stderr
+    for notice in ("Failed to load", "Detected no triton", "is an Enum subclass"):
+        assert notice not in r.stderr
+
+
+def test_torchao_filter_keeps_other_warnings(monkeypatch, caplog):
+    logs.quiet_torchao()
+    logs.quiet_torchao()  # twice: one filter each
+    assert sum(isinstance(f, logs._ImportNotices) for f in logging.getLogger("torchao").filters) == 1
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: no CUDA")
+        logging.getLogger("torchao").warning("Skipping import of cpp extensions due to incompatible torch version")
+        logging.getLogger("torch.utils._pytree").warning("<enum 'E'> is an Enum subclass and is now natively supported")
+        monkeypatch.setattr(logs, "_no_cuda", lambda: False)  # on a CUDA machine a kernel that fails to load shows
+        logging.getLogger("torchao").warning("Failed to load /x/_C_cutlass_90a.so: undefined symbol")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Skipping import of cpp extensions due to incompatible torch version",
+        "Failed to load /x/_C_cutlass_90a.so: undefined symbol"]
 
 
 def test_config_error_is_one_line_without_traceback(tmp_path):

@@ -26,24 +26,10 @@ tuneforge version
 
 
 def _setup_logging(verbose: bool) -> None:
+    from tuneforge import logs
+
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun, the other ranks log warnings only
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO if main_process else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("httpx", "urllib3", "filelock", "fsspec", "datasets", "matplotlib", "PIL"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # bitsandbytes warns at import about an optional kernels package even when nothing is quantized
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.logging.set_verbosity_warning()
-    transformers.logging.disable_progress_bar()  # our own bar is the one that matters
-    import datasets
-
-    datasets.disable_progress_bars()  # the data log line reports the counts
+    logs.setup(logging.DEBUG if verbose else logging.INFO if main_process else logging.WARNING)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

@@ -174,16 +174,6 @@ def _train_worker(config: dict[str, Any]) -> dict[str, Any] | None:
 
 def _worker_logging(rank: int) -> None:
     """As the CLI logs: INFO on rank 0, warnings on the others; no progress bars of the libraries."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
-    )
-    for noisy in ("httpx", "urllib3", "filelock", "fsspec", "datasets", "matplotlib", "PIL"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import datasets
-    import transformers
+    from tuneforge import logs
 
-    transformers.logging.set_verbosity_warning()
-    transformers.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    logs.setup(logging.INFO if rank == 0 else logging.WARNING, force=True)
