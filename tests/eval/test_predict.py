@@ -54,7 +54,12 @@ def test_batched_equals_unbatched_greedy(tiny_model_dir, tokenizer, tiny_cfg):
     assert len(batched[-1]) < len(text_before(tokenizer, single[-1], stops.token_ids))
 
 
-def test_llamafactory_predict_config(tiny_cfg, alpaca_dir, home, tmp_path):
+def test_llamafactory_predict_config(tiny_cfg, alpaca_dir, home, tmp_path, monkeypatch):
+    from tuneforge.model import packed_linear
+
+    packed = []
+    pack = packed_linear.pack_for_generation
+    monkeypatch.setattr(packed_linear, "pack_for_generation", lambda model: packed.append(pack(model)) or packed[-1])
     cfg = tiny_cfg(for_training=True, stage="sft", do_train=False, do_predict=True, predict_with_generate=True,
                    eval_dataset="tiny_alpaca", dataset_dir=str(alpaca_dir), output_dir=str(tmp_path / "out"),
                    per_device_eval_batch_size=2, do_sample=False, max_new_tokens=8)
@@ -69,6 +74,7 @@ def test_llamafactory_predict_config(tiny_cfg, alpaca_dir, home, tmp_path):
         assert abs(saved[f"predict_{name}"] - value) < 1e-4
     assert saved["predict_samples"] == 3 and saved["predict_runtime"] > 0 and "predict_samples_per_second" in saved
     assert result["kind"] == "predict" and result["summary"][0].startswith("predict_bleu-4 ")
+    assert packed == [7 * 2 + 1]  # the answers came from the model packed for generation: 2 layers and the head
 
 
 def test_a_file_that_only_sets_do_predict_or_do_eval_does_not_train():

@@ -137,6 +137,7 @@ def predict(cfg: Any, out_dir: Path) -> dict[str, Any]:
     from tuneforge.infer.generation import chat_template, end_of_turn, generate_kwargs
     from tuneforge.model import load_model_processor, load_tokenizer
     from tuneforge.model.inference import load_inference_model
+    from tuneforge.model.packed_linear import pack_for_generation
 
     metrics.require()
     if cfg.generate.infer_backend != "huggingface":
@@ -149,6 +150,7 @@ def predict(cfg: Any, out_dir: Path) -> dict[str, Any]:
     stops = end_of_turn(tokenizer, template, processor)
     kwargs = generate_kwargs(cfg.generate, tokenizer, stops)
     model = load_inference_model(cfg, value_head=False)
+    pack_for_generation(model)
     set_seed(cfg.train.seed)  # sampling (do_sample) is repeatable
     batch_size = cfg.train.per_device_eval_batch_size
     logger.info("predict: %d prompts, batches of %d, max_new_tokens %d, %s", len(samples), batch_size,

@@ -44,6 +44,7 @@ def evaluate_rewards(cfg: Any, out_dir: Path) -> dict[str, Any]:
     from tuneforge.config.rl import resolved_rl
     from tuneforge.data.collate import Collator
     from tuneforge.model.inference import load_inference_model
+    from tuneforge.model.packed_linear import pack_for_generation
     from tuneforge.rollout import Rollouts
     from tuneforge.train.trainer import add_into, metric_means
     from tuneforge.workflow import check_reward_columns, prepare_data
@@ -56,6 +57,7 @@ def evaluate_rewards(cfg: Any, out_dir: Path) -> dict[str, Any]:
     rl = resolved_rl(cfg)
     logger.info("rewards on %s: %d prompts x %d completions", which, len(rows), rl.num_generations)
     model = load_inference_model(cfg, value_head=False)
+    pack_for_generation(model)
     sampler = RewardSampler(Rollouts(cfg, tokenizer, splits.processor), rl.num_generations, rl.max_completion_length)
     collator = Collator(tokenizer.pad_token_id, Layout(rows="prompt"))
     size, sums, counts, lines = cfg.train.per_device_eval_batch_size, {}, {}, []
