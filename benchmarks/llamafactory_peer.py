@@ -20,6 +20,25 @@ import sys
 import time
 from pathlib import Path
 
+PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "bench" / "peer-llamafactory.sh"
+PEER_VENV = Path(os.environ.get("PEER_VENV", Path.home() / ".cache" / "tuneforge-peer" / "lf-venv"))  # the script's
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # the tokenizer template's
+
+
+def peer_venv(model: str = "MODEL_DIR", *, installed: str = "", packages: tuple[str, ...] = ()) -> Path:
+    """The peer script's venv (PEER_VENV), or exit saying how to build it. installed / packages: a module import
+    line and the pip requirements that provide it, installed there when the import fails."""
+    if not (PEER_VENV / "bin" / "llamafactory-cli").is_file():
+        sys.exit(f"no LlamaFactory venv at {PEER_VENV}: run `bash {PEER_SCRIPT} {model}` once (it builds it), or set "
+                 "PEER_VENV")
+    if installed and subprocess.run([PEER_VENV / "bin" / "python", "-c", installed],
+                                    capture_output=True).returncode != 0:
+        print(f"peer: installing {', '.join(packages)} into {PEER_VENV}", file=sys.stderr)
+        subprocess.run([PEER_VENV / "bin" / "pip", "install", "-q", "-c", PEER_VENV / "constraints.txt", *packages],
+                       check=True)
+    return PEER_VENV
+
+
 # what LlamaFactory needs beside the workload's keys, as the peer script sets them
 RUN_KEYS = {
     "do_train": True,

@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 import yaml
+from llamafactory_peer import SMOLLM_SYSTEM, peer_venv  # benchmarks/ is this script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "llamafactory"
-PEER_SCRIPT = ROOT.parent / "shared" / "bench" / "peer-llamafactory.sh"
-SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # the tokenizer template's
 
 P1 = {
     "model_name_or_path": "smollm2-135m-instruct",
@@ -69,16 +68,8 @@ def run_tuneforge(cfg: dict, batch_size: int) -> dict:
 
 
 def run_peer(cfg: dict, batch_size: int, model_dir: str) -> dict:
-    venv = Path(os.environ.get("PEER_VENV", Path.home() / ".cache" / "tuneforge-peer" / "lf-venv"))
-    if not (venv / "bin" / "llamafactory-cli").is_file():
-        sys.exit(f"no LlamaFactory venv at {venv}: run `bash {PEER_SCRIPT} {model_dir}` once (it builds it), or set "
-                 "PEER_VENV")
-    if subprocess.run([venv / "bin" / "python", "-c", "import jieba, nltk, rouge_chinese"],
-                      capture_output=True).returncode != 0:
-        print(f"peer: installing jieba, nltk, rouge-chinese into {venv} (LlamaFactory's predict metrics)",
-              file=sys.stderr)
-        subprocess.run([venv / "bin" / "pip", "install", "-q", "-c", venv / "constraints.txt", "jieba", "nltk",
-                        "rouge-chinese"], check=True)
+    venv = peer_venv(model_dir, installed="import jieba, nltk, rouge_chinese",  # LlamaFactory's predict metrics
+                     packages=("jieba", "nltk", "rouge-chinese"))
     out = Path(tempfile.mkdtemp(prefix=f"peer-p1-b{batch_size}-"))
     run = {**cfg, "model_name_or_path": model_dir, "do_train": False, "finetuning_type": "lora",
            "template": "smollm2", "default_system": SMOLLM_SYSTEM, "per_device_eval_batch_size": batch_size,

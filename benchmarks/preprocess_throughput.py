@@ -33,10 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from llamafactory_peer import PEER_VENV, SMOLLM_SYSTEM, peer_venv  # benchmarks/ is this script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "llamafactory"
-PEER_VENV = Path(os.environ.get("PEER_VENV", Path.home() / ".cache" / "tuneforge-peer" / "lf-venv"))
-SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # the tokenizer template's
 
 # times tuneforge's data step in a child process; argv: config JSON, ids output file
 OURS = r"""
@@ -154,9 +154,8 @@ def main() -> None:
     parser.add_argument("--model-dir", help="the tokenizer's folder (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
     args = parser.parse_args()
-    if args.peer and not (PEER_VENV / "bin" / "llamafactory-cli").is_file():
-        raise SystemExit(f"no LlamaFactory venv at {PEER_VENV}: run ../shared/bench/peer-llamafactory.sh once "
-                         f"(it builds it), or set PEER_VENV")
+    if args.peer:
+        peer_venv()  # exits here, before any timing, when the peer is missing
     if args.model_dir is None:
         from tuneforge.model.hub import builtin_model_dir
 

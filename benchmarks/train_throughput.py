@@ -188,18 +188,12 @@ def run_peer(workload: str, dataset_dir: str, extra: list[str], model_dir: str |
 
 def run_peer_direct(workload: str, dataset_dir: str, extra: list[str], model: str) -> dict:
     """LlamaFactory on the workload's own keys, from the peer script's venv (with its CPU work-arounds)."""
-    from llamafactory_peer import peer_config, run_llamafactory
+    from llamafactory_peer import peer_config, peer_venv, run_llamafactory
 
-    venv = Path(os.environ.get("PEER_VENV", Path.home() / ".cache" / "tuneforge-peer" / "lf-venv"))
+    quantized = "quantization_bit" in WORKLOADS[workload]
+    venv = peer_venv(model, installed="import bitsandbytes" if quantized else "",
+                     packages=("bitsandbytes>=0.46,<0.51",))
     python = venv / "bin" / "python"
-    if not python.is_file():
-        sys.exit(f"no LlamaFactory venv at {venv}: run `bash {PEER_SCRIPT} {model}` once (it builds it), or set "
-                 "PEER_VENV")
-    if "quantization_bit" in WORKLOADS[workload] and subprocess.run([python, "-c", "import bitsandbytes"],
-                                                                      capture_output=True).returncode != 0:
-        print(f"peer: installing bitsandbytes into {venv}", file=sys.stderr)
-        subprocess.run([venv / "bin" / "pip", "install", "-q", "-c", venv / "constraints.txt",
-                        "bitsandbytes>=0.46,<0.51"], check=True)
     keys = dict(kv.split("=", 1) for kv in extra)  # --fp32's bf16=false
     cfg = {**WORKLOADS[workload], "model_name_or_path": model, "dataset_dir": dataset_dir,
            **{k: json.loads(v) for k, v in keys.items()}}
