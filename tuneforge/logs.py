@@ -50,10 +50,9 @@ def quiet_torchao() -> None:
     that its CUDA kernels and Triton cannot load, also on a machine without CUDA, where nothing uses them, and
     calls a torch registration that torch has deprecated (torchao's to change, not the user's)."""
     cuda_only = _ImportNotices("Failed to load", "Detected no triton", cuda_only=True)
-    for name in ("torchao", "torchao.kernel.intmm"):
+    deprecated_enum = _ImportNotices("is an Enum subclass and is now natively supported")
+    for name, notices in (("torchao", cuda_only), ("torchao.kernel.intmm", cuda_only),
+                          ("torch.utils._pytree", deprecated_enum)):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _ImportNotices) for f in logger.filters):
-            logger.addFilter(cuda_only)
-    pytree = logging.getLogger("torch.utils._pytree")
-    if not any(isinstance(f, _ImportNotices) for f in pytree.filters):
-        pytree.addFilter(_ImportNotices("is an Enum subclass and is now natively supported"))
+        if not any(isinstance(f, _ImportNotices) for f in logger.filters):  # set up once per process
+            logger.addFilter(notices)

@@ -85,9 +85,8 @@ def _own_memory(model: nn.Module) -> None:
     """Copy the weights left dense (embeddings, norms) out of the checkpoint's memory map. transformers maps a
     safetensors file whose dtype needs no conversion; the map lives while any tensor in it does, and the pages the
     packing read stay resident with it: without this the dense weights would stay in the RSS beside the packed."""
-    for module in model.modules():
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            tensor.data = tensor.data.clone()
+    for tensor in [*model.parameters(), *model.buffers()]:  # each shared (tied) tensor once
+        tensor.data = tensor.data.clone()
 
 
 def pack_for_generation(model: nn.Module) -> int:
