@@ -9,6 +9,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from tuneforge.errors import TuneforgeError
 from tuneforge.model import packed_linear
 from tuneforge.model.packed_linear import PackedLinear, pack_for_generation
 
@@ -76,6 +77,9 @@ def test_left_alone_where_it_does_not_apply(tiny_model_dir, monkeypatch):
     model = tiny(tiny_model_dir)
     assert pack_for_generation(model) == 0
     assert sum(type(m) is nn.Linear for m in model.modules()) == 7 * model.config.num_hidden_layers + 1
+    monkeypatch.setenv(packed_linear.ENV, "disable")
+    with pytest.raises(TuneforgeError, match="TUNEFORGE_PACKED_LINEAR='disable' is not on or off"):
+        pack_for_generation(model)
 
 
 def test_subclasses_and_hooked_layers_stay_dense(tiny_model_dir):

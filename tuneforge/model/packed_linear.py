@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from tuneforge.errors import ModelError
+from tuneforge.errors import ModelError, TuneforgeError
 from tuneforge.flags import parse_flag
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,10 @@ class PackedLinear(nn.Module):
 
 def _why_not(model: nn.Module) -> str | None:
     """Why the model's linear layers stay as they are (None: they can be packed)."""
-    if parse_flag(os.environ.get(ENV, "1")) is False:
+    switch = parse_flag(os.environ.get(ENV, "1"))
+    if switch is None:
+        raise TuneforgeError(f"{ENV}={os.environ[ENV]!r} is not on or off; use 1 or 0 (true / false, yes / no)")
+    if not switch:
         return f"{ENV}=0"
     if hasattr(model, "peft_config"):
         return "its adapters are not merged"
