@@ -2,9 +2,10 @@
 (collation) and rewards, so that `train` imports none of them (train/objectives/grpo.py's `Rollouts`).
 
 Generation is behind this one object: completions come from infer.generation.completion_generator today
-(transformers' `generate`, with the stop tokens and sampling settings chat uses); a faster engine replaces
-`__call__` without touching the stage. Everything is built on first use, so a stage that never samples renders
-no template and loads no reward model.
+(transformers' `generate`, with the stop tokens and sampling settings chat uses), on a CPU in fp32 with the linear
+layers packed for the call (model/packed_linear.py); a faster engine replaces `__call__` without touching the
+stage. Everything is built on first use, so a stage that never samples renders no template and loads no reward
+model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ class Rollouts:
         self._media_ids = frozenset(media_token_ids(processor)) if processor is not None else frozenset()
 
     def __call__(self, model: Any, prompts: Sequence[Sequence[int]], **overrides: Any) -> list[list[int]]:
-        return self._generator()(model, prompts, **overrides)
+        from tuneforge.model.packed_linear import packed_while_generating
+
+        with packed_while_generating(model):  # fp32 on a CPU: packed copies of the current weights, LoRA merged
+            return self._generator()(model, prompts, **overrides)
 
     def _generator(self) -> Any:
         if self._generate is None:

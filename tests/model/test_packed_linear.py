@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tuneforge.errors import TuneforgeError
 from tuneforge.model import packed_linear
-from tuneforge.model.packed_linear import PackedLinear, pack_for_generation
+from tuneforge.model.packed_linear import PackedLinear, pack_for_generation, packed_while_generating
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -24,7 +24,7 @@ def test_packed_layer_matches_linear_with_and_without_bias():
     torch.manual_seed(0)
     for bias in (True, False):
         linear = nn.Linear(48, 40, bias=bias)
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear.weight, linear.bias)
         for shape in ((1, 48), (4, 48), (2, 3, 48), (0, 48)):  # a decode step, a batch, a prefill, nothing
             x = torch.randn(shape)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
@@ -60,7 +60,7 @@ def test_generation_writes_the_same_greedy_tokens(tiny_model_dir, batch):
 
 
 def test_a_packed_layer_refuses_gradients():
-    packed = PackedLinear(nn.Linear(8, 4))
+    packed = PackedLinear(nn.Linear(8, 4).weight)
     with pytest.raises(RuntimeError, match="generation only"):
         packed(torch.randn(2, 8, requires_grad=True))
 
@@ -93,3 +93,43 @@ def test_subclasses_and_hooked_layers_stay_dense(tiny_model_dir):
     attn.k_proj.register_forward_hook(lambda *_: None)  # as accelerate's offload hooks
     assert pack_for_generation(model) == 7 * model.config.num_hidden_layers + 1 - 2
     assert type(attn.q_proj) is Quantized and type(attn.k_proj) is nn.Linear
+
+
+def lora_in_training(tiny_model_dir, **lora):
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: the adapters would change nothing
+            nn.init.normal_(param, std=0.05)
+    return model.train()
+
+
+def test_a_model_in_training_generates_with_merged_packed_copies_and_gets_its_layers_back(tiny_model_dir, batch):
+    model = lora_in_training(tiny_model_dir)
+    layers = [m for m in model.modules() if m is not model]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model.eval()(batch).logits
+    with packed_while_generating(model) as packed, torch.no_grad():
+        assert packed == 7 * model.config.num_hidden_layers + 1  # every adapted layer, adapters merged, and the head
+        assert not any(type(m).__name__ == "Linear" for m in model.base_model.model.model.layers.modules())
+        torch.testing.assert_close(model(batch).logits, want, rtol=1e-4, atol=1e-5)
+    assert [m for m in model.modules() if m is not model] == layers  # the same modules, in the same places
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # weights and adapters untouched
+    model.train()(batch, labels=batch).loss.backward()  # and it trains as before
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_layers_that_compute_otherwise_stay_as_they_are_while_generating(tiny_model_dir, batch):
+    dora = lora_in_training(tiny_model_dir, use_dora=True)
+    with packed_while_generating(dora) as packed:
+        assert packed == 1  # DoRA's layers read their base weight: only the head is packed
+    model = lora_in_training(tiny_model_dir)
+    with model.disable_adapter(), packed_while_generating(model) as packed:
+        assert packed == 1  # adapters off: peft's layers run the base alone, and stay
+    with torch.autocast("cpu", dtype=torch.bfloat16), packed_while_generating(model) as packed:
+        assert packed == 0  # the packed op has no autocast rule
+    with pytest.raises(ValueError), packed_while_generating(model):
+        raise ValueError("generation failed")
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # put back on the way out of an error too

@@ -12,6 +12,7 @@ from train_helpers import load_model, make_cfg, trainable_state
 
 from tuneforge.batch import Batch, Layout, sample_seed
 from tuneforge.infer.generation import completion_generator
+from tuneforge.model.packed_linear import ENV, PackedLinear
 from tuneforge.rollout import Rollouts
 from tuneforge.train import Trainer
 from tuneforge.train.objectives.grpo import GRPOObjective, GRPOSettings
@@ -85,6 +86,30 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tmp_path, tiny_model_d
     again = generate(model, [PROMPTS[0]], num_return_sequences=2, max_new_tokens=8, seeds=[5, 6])
     assert again != alone  # other seeds sample otherwise (a random 49k-vocabulary model: never the same 8 tokens)
     assert alone[0] != alone[1]
+
+
+def test_rollouts_sample_with_packed_copies_of_the_policy_and_the_same_completions(tmp_path, tiny_model_dir, tokenizer,
+                                                                                   monkeypatch):
+    cfg = grpo_cfg(tmp_path, tiny_model_dir)
+    model = load_model(tiny_model_dir, lora={}).train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # a policy its adapters change
+            torch.nn.init.normal_(param, std=0.05)
+    rollouts, packed_layers = Rollouts(cfg, tokenizer), []
+    generate = rollouts._generator()
+
+    def spy(model, prompts, **overrides):
+        packed_layers.append(sum(isinstance(m, PackedLinear) for m in model.modules()))
+        return generate(model, prompts, **overrides)
+
+    rollouts._generate = spy
+    kwargs = {"num_return_sequences": 2, "max_new_tokens": 8, "seeds": [1, 2, 3, 4]}
+    packed = rollouts(model, [PROMPTS[0], PROMPTS[1]], **kwargs)
+    monkeypatch.setenv(ENV, "0")
+    dense = rollouts(model, [PROMPTS[0], PROMPTS[1]], **kwargs)
+    assert packed_layers == [7 * model.config.num_hidden_layers + 1, 0]  # LoRA merged into each packed copy
+    assert packed == dense
+    assert model.training and not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 # ---- the objective --------------------------------------------------------------------------------------
