@@ -89,22 +89,29 @@ def _packable(module: nn.Module) -> bool:
             and not module._forward_hooks and not module._forward_pre_hooks)
 
 
-def _merged_lora_weight(layer: nn.Module) -> torch.Tensor | None:
-    """The weight a peft LoRA linear layer computes with, as a new tensor: its base weight plus its active adapters'
-    updates (peft's own get_delta_weight: scaling, rsLoRA). None for any other layer, and where the layer computes
-    otherwise (adapters disabled or already merged, a variant such as DoRA, half-precision adapters, hooks)."""
+def _mergeable(layer: nn.Module) -> bool:
+    """A peft LoRA linear layer that computes its base product plus its active adapters' products: not a variant such
+    as DoRA (which reads the base weight), adapters neither disabled nor already merged, fp32 adapters, no hooks."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     if type(layer) is not LoraLinear or not _packable(layer.base_layer) or layer.disable_adapters or layer.merged:
-        return None
+        return False
     if layer._forward_hooks or layer._forward_pre_hooks:
-        return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    variants = getattr(layer, "lora_variant", {})  # DoRA and the other variants compute otherwise
-    if any(a in variants or layer.use_dora.get(a) or layer.lora_B[a].weight.dtype != torch.float32 for a in active):
-        return None
+        return False
+    variants = getattr(layer, "lora_variant", {})
+    return not any(a in variants or layer.use_dora.get(a) or layer.lora_B[a].weight.dtype != torch.float32
+                   for a in _active(layer))
+
+
+def _active(layer: nn.Module) -> list[str]:
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _merged_weight(layer: nn.Module) -> torch.Tensor:
+    """A mergeable LoRA layer's base weight plus its active adapters' updates (peft's own get_delta_weight: scaling,
+    rsLoRA), as a new tensor: the layer is untouched."""
     weight = layer.base_layer.weight.detach()
-    for adapter in active:
+    for adapter in _active(layer):
         weight = weight + layer.get_delta_weight(adapter)
     return weight
 
@@ -138,24 +145,25 @@ def _swap_in(model: nn.Module, *, adapters: bool) -> list[tuple[nn.Module, str, 
     head = model.get_output_embeddings()
     if isinstance(head, nn.Module):
         candidates.append(head)
-    weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    chosen: set[int] = set()
     inside_adapters: set[int] = set()
     for module in candidates:  # modules() lists a layer before what it holds
         if id(module) in inside_adapters:
             continue
         if _packable(module):
-            weights[id(module)] = module.weight, module.bias
+            chosen.add(id(module))
         elif adapters and hasattr(module, "base_layer"):  # peft's layers hold the base layer they adapt
             inside_adapters.update(id(m) for m in module.modules())
-            merged = _merged_lora_weight(module)
-            if merged is not None:
-                weights[id(module)] = merged, module.base_layer.bias
+            if _mergeable(module):
+                chosen.add(id(module))
     swapped = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in weights:
-                weight, bias = weights.pop(id(child))
-                setattr(parent, name, PackedLinear(weight, bias))
+            if id(child) in chosen:
+                chosen.discard(id(child))  # a layer held twice (a tied module) is packed once
+                plain = type(child) is nn.Linear
+                weight = child.weight if plain else _merged_weight(child)  # merged one layer at a time
+                setattr(parent, name, PackedLinear(weight, child.bias if plain else child.base_layer.bias))
                 swapped.append((parent, name, child))
     return swapped
 
