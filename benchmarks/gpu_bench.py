@@ -208,14 +208,16 @@ def run_pair(name: str, workload: dict, model: Path, env: dict, args, phases: Ph
         cfg.update(DRY)
     rows = []
     ours_keys = kernel_keys(sys.executable, env["cuda"])
-    out, res, wall, _ = phases.run(f"{name} tuneforge", train_child, {**cfg, **ours_keys}, name.lower())
+    runs = args.work / "runs"  # beside the peer's runs
+    runs.mkdir(parents=True, exist_ok=True)
+    out, res, wall, _ = phases.run(f"{name} tuneforge", train_child, {**cfg, **ours_keys}, name.lower(), parent=runs)
     rows.append(result_row("tuneforge", common, ours_keys, env, res.get("train_tokens_per_second"),
                            res.get("train_samples_per_second"), res.get("train_runtime"), res.get("train_loss"),
                            res.get("train_peak_memory_mb"), wall, out))
     print(json.dumps(rows[-1]), flush=True)
     if args.peer_python:
         peer_keys = kernel_keys(args.peer_python, env["cuda"])
-        peer_out = args.work / "runs" / f"peer-{name.lower()}-{time.strftime('%H%M%S')}"
+        peer_out = runs / f"peer-{name.lower()}-{time.strftime('%H%M%S')}"
         env_vars = {"PYTHONPATH": args.peer_pythonpath} if args.peer_pythonpath else {}
         peer = phases.run(f"{name} llamafactory", run_llamafactory, args.peer_python,
                           peer_config({**cfg, **peer_keys}, peer_out, cpu=not env["cuda"]), peer_out, env_vars)

@@ -203,10 +203,12 @@ def run_peer_direct(workload: str, dataset_dir: str, extra: list[str], model: st
     return {"system": "llamafactory-0.9.5", "workload": workload, **res}
 
 
-def train_child(cfg: dict, workload: str, overrides: list[str] = ()) -> tuple[Path, dict, float, float]:
-    """`tuneforge train` on cfg in a child process, its outputs in a temporary folder's run/: (that folder,
-    train_results.json, wall seconds, the children's peak RSS in MiB). Exits naming the log if it fails."""
-    out = Path(tempfile.mkdtemp(prefix=f"tuneforge-{workload.lower()}-"))
+def train_child(cfg: dict, workload: str, overrides: list[str] = (), parent: Path | None = None,
+                ) -> tuple[Path, dict, float, float]:
+    """`tuneforge train` on cfg in a child process, its outputs in a new folder's run/ (in `parent`, else the system's
+    temporary folder): (that folder, train_results.json, wall seconds, the children's peak RSS in MiB). Exits naming
+    the log if it fails."""
+    out = Path(tempfile.mkdtemp(prefix=f"tuneforge-{workload.lower()}-", dir=parent))
     cfg = {**cfg, "output_dir": str(out / "run")}
     (out / "workload.json").write_text(json.dumps(cfg, indent=2))
     cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "workload.json"), *overrides]

@@ -91,5 +91,6 @@ def test_dry_run_prints_every_figure(tmp_path, tokenizer):
         assert run["effective_tokens_per_sec"] > 0 and run["train_runtime_s"] > 0 and run["peak_memory_mb"] > 0
         assert run["mfu"] == round(factor * n * run["effective_tokens_per_sec"] / 0.4e12, 4)
         assert run["peak_memory_kind"] == "RSS in training" and run["flash_attn"] == "sdpa"
+        assert Path(run["out"]).parent == tmp_path / "runs"  # in the work folder, beside the peer's: none left in /tmp
     assert set(summary["phases_s"]) == {"setup", "build tiny model", "W1 tuneforge", "F1B tuneforge"}
     assert "[gpu_bench] W1 tuneforge:" in done.stderr
