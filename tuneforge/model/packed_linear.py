@@ -193,8 +193,8 @@ def pack_for_generation(model: nn.Module) -> int:
 def packed_while_generating(model: nn.Module) -> Iterator[int]:
     """Within the block, `model` (in training: its weights change between blocks) generates with packed copies of its
     current linear weights, LoRA adapters merged into them; the layers swapped out come back afterwards, untouched.
-    Yields how many layers were packed (0 where packing does not apply). Under no_grad: nothing in the block can
-    train the copies."""
+    Yields how many layers were packed (0 where packing does not apply). The copies are built under no_grad and
+    refuse inputs that need a gradient."""
     with torch.no_grad():
         swapped = _swap_in(model, adapters=True)
     if swapped:
