@@ -77,6 +77,64 @@ def test_the_largest_micro_batch_counts_every_sequence_a_sample_holds(make_cfg):
     assert checkpointing.sequences_per_sample(cfg) == 4
 
 
+def _layer_modes(available: float = 1e12, layers: int = 30) -> checkpointing.LayerModes:
+    """LayerModes for SmolLM2's lean layers in fp32 (per token: none 31,680 bytes, full 2,880, with the margin)."""
+    stack = torch.nn.ModuleList(torch.nn.Module() for _ in range(layers))
+    for layer in stack:
+        layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, _full_checkpoint
+    return checkpointing.LayerModes(stack, SMOLLM2, half=False, available=available, lean=True)
+
+
+def _full_checkpoint(function, *args, **kwargs):
+    return function(*args, **kwargs)
+
+
+def _checkpointed(modes: checkpointing.LayerModes) -> list[str]:
+    return ["selective" if layer._gradient_checkpointing_func is checkpointing.selective_checkpoint else "full"
+            if layer.gradient_checkpointing else "none" for layer in modes.layers]
+
+
+def test_a_shorter_micro_batch_keeps_more_layers_unchecked_within_the_same_budget():
+    none, full = 31680, 2880
+    assert checkpointing.activation_bytes_per_token(SMOLLM2, False, "none", lean=True) == none
+    # the budget (half the memory available) holds 10 unchecked layers at 2,048 tokens
+    modes = _layer_modes(available=2 * (30 * full * 2048 + 10 * (none - full) * 2048))
+    assert modes.apply(2048).none == 10 and _checkpointed(modes) == ["full"] * 20 + ["none"] * 10
+    # at 1,024 tokens: (30 full + 10 (none - full)) x 2048 / ((none - full) x 1024) - 30 full / (none - full) = 23
+    assert modes.apply(1024).none == 23 and _checkpointed(modes) == ["full"] * 7 + ["none"] * 23
+    assert modes.apply(128).none == 30 and _checkpointed(modes) == ["none"] * 30
+
+
+def test_the_cap_is_the_smallest_whose_recompute_costs_at_most_its_share():
+    modes = _layer_modes()
+    held = [500] * 40 + [1000] * 8 + [1200]  # 29,200 tokens: 2 % is 584 token-layers' worth
+    # cap 1,000: the 1,200-token batch keeps floor((30 none 1000 - 30 full 1200) / ((none - full) 1200)) = 24 layers
+    # unchecked, recomputes 6 (a third each): 6 / 90 of 1,200 = 80 <= 584. Cap 500: the 1,000-token batches keep
+    # 13 (17 / 90 of 8 x 1,000 = 1,511 already > 584)
+    assert modes.choose_cap(held) == 1000
+    assert modes.for_tokens(1200, 1000).summary() == "none on 24, full on 6 of 30 layers"
+    assert modes.for_tokens(1000, 500).summary() == "none on 13, full on 17 of 30 layers"
+    assert modes.apply(1200).full == 6 and _checkpointed(modes) == ["full"] * 6 + ["none"] * 24
+    assert modes.apply(1000).full == 0 and _checkpointed(modes) == ["none"] * 30
+    # micro-batches of one length: nothing to cap below it
+    assert modes.choose_cap([700] * 9) == 700 and modes.apply(700).none == 30
+    assert modes.choose_cap([]) is None and modes.apply(5000).none == 30
+
+
+def test_selective_layers_come_back_to_full_checkpointing():
+    modes = _layer_modes(layers=3)
+    modes.config = SimpleNamespace(**vars(SMOLLM2))
+    modes.lean = False  # selective keeps less than none here
+    selective = checkpointing.activation_bytes_per_token(SMOLLM2, False, "selective") * 100
+    full = checkpointing.activation_bytes_per_token(SMOLLM2, False, "full") * 100
+    modes.available = 2 * (3 * full + 2 * (selective - full))
+    modes.apply(100)
+    assert _checkpointed(modes) == ["full", "selective", "selective"]
+    modes.apply(1000)
+    assert _checkpointed(modes) == ["full"] * 3
+    assert all(layer._gradient_checkpointing_func is _full_checkpoint for layer in modes.layers)
+
+
 class ProductCount(TorchDispatchMode):
     """Counts matrix products run inside it."""
 

@@ -15,7 +15,15 @@ process can still take (the device's free memory after the weights, less the gra
 come; on a CPU the machine's available memory, shared by this machine's processes), for the largest possible
 micro-batch (per_device_train_batch_size x cutoff_len tokens per sequence, times the sequences a sample holds: a
 pair's two, an RL prompt's sampled answers). `false` checkpoints every layer fully, `true` none: the user's
-setting always wins. Under DeepSpeed, FSDP, sequence parallelism or torch_compile every layer keeps full
+setting always wins.
+
+The plan at load is for the largest possible micro-batch; in training each micro-batch gets the plan for the tokens
+it holds (`LayerModes.apply`), so a short one keeps more layers unchecked within the same budget. Its activations
+are also capped (`LayerModes.choose_cap`): the peak of a run is set by its largest micro-batches, which are rare on
+data of mixed lengths. From a sample of the epoch's micro-batches the trainer takes the smallest token count whose
+cap costs at most RECOMPUTE_SHARE more compute: a micro-batch above it checkpoints as many layers as keep its
+activations within what one of `cap` tokens keeps with none checkpointed (W1 in fp32: the peak from 2.5 to 2.1 GiB
+for ~2 % of the time, docs/performance.md). Under DeepSpeed, FSDP, sequence parallelism or torch_compile every layer keeps full
 checkpointing (`selective_fits`; load.py).
 
 The estimates, in bytes per token and layer under bf16 / fp16 autocast (twice that in fp32), for a Llama-style
@@ -34,6 +42,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -53,6 +64,11 @@ SAFETY = 1.25  # the estimates' margin (allocator fragmentation, family differen
 # products whose inner dimension is below this are recomputed (a LoRA adapter's second product: rank-sized inner
 # dimension, output as large as the layer's); above it their outputs are kept
 SAVED_INNER_DIM = 256
+# the compute the activation cap may add, as a share of the sampled micro-batches' layer compute
+RECOMPUTE_SHARE = 0.02
+# what running a layer's forward again costs in backward, as a share of the layer's forward + backward (about a
+# third under full checkpointing; selective recomputes only the cheap operations: measured about half of that)
+RECOMPUTE_COST = {"full": 1 / 3, "selective": 1 / 6}
 
 
 @dataclass(frozen=True)
@@ -128,13 +144,17 @@ def available_bytes(device: torch.device) -> float:
     return free / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
-def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float, lean: bool = False) -> Plan:
-    """The fastest modes the budget holds: every layer costs `full` at least; layers are made selective while the
-    budget holds, and once all are, made `none` while it still holds. Where none keeps no more than selective
-    (lean layers), layers go from full straight to none."""
+def plan(config: Any, layers: int, max_tokens: int, half: bool, available: float, lean: bool = False,
+         cap_tokens: int | None = None) -> Plan:
+    """The fastest modes the budget holds for a micro-batch of max_tokens: every layer costs `full` at least;
+    layers are made selective while the budget holds, and once all are, made `none` while it still holds. Where
+    none keeps no more than selective (lean layers), layers go from full straight to none. cap_tokens: the budget
+    is at most what a micro-batch of that many tokens keeps with no layer checkpointed."""
     none, selective, full = (activation_bytes_per_token(config, half, mode, lean) * max_tokens
                              for mode in ("none", "selective", "full"))
     budget = available * BUDGET_SHARE
+    if cap_tokens is not None:
+        budget = min(budget, activation_bytes_per_token(config, half, "none", lean) * cap_tokens * layers)
 
     def upgrades(spare: float, step: float) -> int:
         return 0 if spare <= 0 else min(layers, math.floor(spare / step))
@@ -187,12 +207,6 @@ def selective_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
                       context_fn=partial(create_selective_checkpoint_contexts, _keep_products), **kwargs)
 
 
-def use_selective(layer: nn.Module) -> None:
-    """Selective checkpointing on a layer transformers checkpoints (a GradientCheckpointingLayer)."""
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = selective_checkpoint
-
-
 def selective_fits(cfg: Any) -> bool:
     """Selective checkpointing replays a layer's operations against what its forward stored, so the layer must run
     the same operations both times: not so where parameters are gathered inside the layer and released again
@@ -202,23 +216,83 @@ def selective_fits(cfg: Any) -> bool:
     return not (t.deepspeed or t.fsdp or t.sequence_parallel_size > 1)
 
 
+class LayerModes:
+    """The checkpointing mode of each decoder layer, chosen again for each micro-batch's token count within the
+    memory budget (`available`: what this process may take for activations, before BUDGET_SHARE) and, once set,
+    the activation cap."""
+
+    def __init__(self, layers: nn.ModuleList, config: Any, half: bool, available: float, lean: bool) -> None:
+        self.layers, self.config, self.half, self.available, self.lean = layers, config, half, available, lean
+        self.cap: int | None = None
+        # each layer's full checkpointing, as transformers set it up (a GradientCheckpointingLayer's function)
+        self._full = [layer._gradient_checkpointing_func for layer in layers]
+        self._applied: tuple[int, int] | None = None
+
+    def for_tokens(self, tokens: int, cap: int | None = None) -> Plan:
+        """The modes for a micro-batch of `tokens` under this cap (None: none)."""
+        return plan(self.config, len(self.layers), tokens, self.half, self.available, self.lean, cap)
+
+    def apply(self, tokens: int) -> Plan:
+        """Set the layers' modes for a micro-batch of `tokens` under the cap: full on the first, then selective,
+        then none."""
+        chosen = self.for_tokens(tokens, self.cap)
+        if self._applied != (chosen.none, chosen.selective):
+            for i, (layer, full) in enumerate(zip(self.layers, self._full, strict=True)):
+                selective = chosen.full <= i < chosen.full + chosen.selective
+                layer.gradient_checkpointing = i < chosen.full + chosen.selective
+                layer._gradient_checkpointing_func = selective_checkpoint if selective else full
+            self._applied = (chosen.none, chosen.selective)
+        return chosen
+
+    def recompute_share(self, tokens: int, cap: int | None) -> float:
+        """The share of a micro-batch's layer compute that its checkpointed layers run again."""
+        chosen = self.for_tokens(tokens, cap)
+        return (RECOMPUTE_COST["full"] * chosen.full + RECOMPUTE_COST["selective"] * chosen.selective) / chosen.layers
+
+    def choose_cap(self, held: Sequence[int]) -> int | None:
+        """Set and return the smallest cap, among the token counts of these micro-batches (a sample of the run's),
+        whose extra recompute over them stays within RECOMPUTE_SHARE of their compute; None when they are empty."""
+        counts = Counter(held)
+        uncapped = {tokens: self.recompute_share(tokens, None) for tokens in counts}
+        allowed = RECOMPUTE_SHARE * sum(tokens * n for tokens, n in counts.items())
+        self.cap = None
+        for cap in sorted(counts, reverse=True):
+            extra = sum((self.recompute_share(tokens, cap) - uncapped[tokens]) * tokens * n
+                        for tokens, n in counts.items() if tokens > cap)
+            if extra > allowed:
+                break
+            self.cap = cap
+        return self.cap
+
+
+_MODES: weakref.WeakKeyDictionary[nn.Module, LayerModes] = weakref.WeakKeyDictionary()
+
+
+def layer_modes(model: nn.Module) -> LayerModes | None:
+    """The model's per-micro-batch checkpointing (set up by checkpoint_by_memory), or None."""
+    return next((modes for module in model.modules() if (modes := _MODES.get(module)) is not None), None)
+
+
+def held_tokens(batch: Any) -> int | None:
+    """Tokens a collated batch holds, padding included (what its activations scale with); None without input_ids."""
+    ids = batch.model_inputs.get("input_ids")
+    return int(ids.numel()) if ids is not None else None
+
+
 def checkpoint_by_memory(model: nn.Module, layers: nn.ModuleList, cfg: Any, device: torch.device,
                          reserved: float = 0.0) -> Plan | None:
-    """No checkpointing on the last layers the plan holds, selective on the ones before them, full on the first
-    (full checkpointing already enabled on every layer by transformers). reserved: bytes still to come outside the
-    activations (gradients and optimizer states). None when the layers do not take per-layer checkpointing."""
+    """The plan for the largest micro-batch on the layers (full checkpointing already enabled on every layer by
+    transformers): no checkpointing on the last layers it holds, selective on the ones before them, full on the
+    first. reserved: bytes still to come outside the activations (gradients and optimizer states). The layers'
+    LayerModes is kept for the trainer (layer_modes). None when the layers do not take per-layer checkpointing."""
     if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers) or not selective_fits(cfg):
         return None
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     t = cfg.train
     max_tokens = t.per_device_train_batch_size * cfg.data.cutoff_len * sequences_per_sample(cfg)
     half = t.bf16 or t.fp16 or t.pure_bf16
-    chosen = plan(config, len(layers), max_tokens, half, available_bytes(device) - reserved,
-                  lean=keeps_lean(layers[0], half))
-    lightest = list(layers)[len(layers) - chosen.selective - chosen.none:]
-    for layer in lightest[:chosen.selective]:
-        use_selective(layer)
-    for layer in lightest[chosen.selective:]:
-        layer.gradient_checkpointing = False
+    modes = LayerModes(layers, config, half, available_bytes(device) - reserved, lean=keeps_lean(layers[0], half))
+    _MODES[layers] = modes
+    chosen = modes.apply(max_tokens)
     logger.info("gradient checkpointing (from the memory estimate): %s", chosen.describe())
     return chosen

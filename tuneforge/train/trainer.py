@@ -52,8 +52,9 @@ from tuneforge.batch import Batch, sample_seed
 from tuneforge.config import RunConfig
 from tuneforge.config.kernels import compiles
 from tuneforge.config.schedules import SCHEDULES
+from tuneforge.data.multimodal import MEDIA_COLUMN
 from tuneforge.errors import DataError, TrainingError
-from tuneforge.model.checkpointing import selective_fits
+from tuneforge.model.checkpointing import held_tokens, layer_modes, selective_fits
 from tuneforge.model.mixed_precision import autocast_inputs, plain_lora_layers
 from tuneforge.model.recompute import recomputing
 from tuneforge.train import callbacks as _callbacks
@@ -66,6 +67,7 @@ from tuneforge.train.strategy import Strategy, build_strategy
 logger = logging.getLogger(__name__)
 
 Collator = Callable[[list[dict[str, Any]]], Batch]  # rows -> tuneforge.batch.Batch
+CAP_SAMPLE = 128  # micro-batches collated to choose the activation cap
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -344,6 +346,8 @@ class Trainer:
         # activations cheap to compute again are kept as recipes (model/recompute.py); not where parameters are
         # gathered and released inside a layer (DeepSpeed, FSDP) or compiled
         self._recomputing = recomputing if selective_fits(cfg) and not compiles(t) else contextlib.nullcontext
+        # each micro-batch's gradient checkpointing, when memory chooses it (model/checkpointing.py)
+        self.layer_modes = layer_modes(model)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -366,6 +370,7 @@ class Trainer:
 
     def _train(self, t: Any) -> dict[str, Any]:
         resumed_from = self._start()
+        self._cap_activations()
         if t.eval_on_start and resumed_from is None:  # the untrained model's figures, to compare against
             self._evaluate_and_track()
         self.model.train()
@@ -446,6 +451,8 @@ class Trainer:
             last = i == len(batches) - 1  # gradients are reduced over ranks once per step: with the last backward
             with self.strategy.accumulating(last):
                 batch = self._to_device(batch)
+                if self.layer_modes is not None and (held := held_tokens(batch)):
+                    self.layer_modes.apply(held)
                 with self._autocast(), self._noising(batch), self._recomputing():
                     out = self.step_module(batch)
                 with self._adapter_inputs():  # checkpointed layers recompute in backward: as in the forward
@@ -476,6 +483,31 @@ class Trainer:
         self.session.samples += samples
         return StepResult(loss_value, int(units), int(tokens), samples, grad_norm, reduced["metrics"],
                           reduced["counts"], stop)
+
+    def _cap_activations(self) -> None:
+        """The activation cap of each micro-batch's checkpointing (LayerModes.choose_cap), from the token counts of
+        up to CAP_SAMPLE micro-batches spread over this rank's first epoch, collated without their media. Not for
+        rows whose batches are only known after rollouts, nor for streamed rows."""
+        modes = self.layer_modes
+        if modes is None or self.samples or getattr(self.train_dataset, "streamed", False):
+            return
+        t = self.cfg.train
+        batches = epoch_micro_batches(len(self.train_dataset), t.per_device_train_batch_size,
+                                      t.seed if t.data_seed is None else t.data_seed, 0, self.data_rank,
+                                      self.data_ranks, shuffle=not t.disable_shuffling)
+        rows = self.train_dataset
+        if MEDIA_COLUMN in (getattr(rows, "column_names", None) or ()):
+            rows = rows.remove_columns(MEDIA_COLUMN)
+        sample = batches[:: math.ceil(len(batches) / CAP_SAMPLE)]
+        held = [held_tokens(self.collator([rows[i] for i in indices])) or 0 for indices in sample]
+        cap = modes.choose_cap(held)
+        if cap is not None and cap < max(held):
+            over = sum(tokens > cap for tokens in held)
+            logger.info(
+                "gradient checkpointing: a micro-batch of more than %d tokens checkpoints the layers its activations "
+                "would take beyond that (%d of %d sampled micro-batches, up to %d tokens; ~%.0f%% more compute)",
+                cap, over, len(held), max(held),
+                100 * sum(modes.recompute_share(n, cap) * n for n in held if n > cap) / max(sum(held), 1))
 
     @torch.no_grad()
     def _prepared(self, batches: list[Batch], seeds: list[list[int]]) -> list[Batch]:
