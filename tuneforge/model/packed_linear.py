@@ -23,6 +23,7 @@ TUNEFORGE_PACKED_LINEAR=0 turns both off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -116,8 +117,10 @@ def _merged_weight(layer: nn.Module) -> torch.Tensor:
     return weight
 
 
+@functools.cache
 def _works() -> bool:
-    """One small product checked against F.linear: a torch whose private oneDNN ops changed is left alone."""
+    """One small product checked against F.linear: a torch whose private oneDNN ops changed is left alone. Once per
+    process (each rollout asks)."""
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the run's random state stays as it was
             probe, x = nn.Linear(8, 4), torch.randn(3, 8)
