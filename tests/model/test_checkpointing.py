@@ -112,6 +112,7 @@ def test_the_cap_is_the_smallest_whose_recompute_costs_at_most_its_share():
     # unchecked, recomputes 6 (a third each): 6 / 90 of 1,200 = 80 <= 584. Cap 500: the 1,000-token batches keep
     # 13 (17 / 90 of 8 x 1,000 = 1,511 already > 584)
     assert modes.choose_cap(held) == 1000
+    assert modes.extra_compute(held, 1000) == pytest.approx(80 / 29200)
     assert modes.for_tokens(1200, 1000).summary() == "none on 24, full on 6 of 30 layers"
     assert modes.for_tokens(1000, 500).summary() == "none on 13, full on 17 of 30 layers"
     assert modes.apply(1200).full == 6 and _checkpointed(modes) == ["full"] * 6 + ["none"] * 24

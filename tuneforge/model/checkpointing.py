@@ -23,8 +23,10 @@ are also capped (`LayerModes.choose_cap`): the peak of a run is set by its large
 data of mixed lengths. From a sample of the epoch's micro-batches the trainer takes the smallest token count whose
 cap costs at most RECOMPUTE_SHARE more compute: a micro-batch above it checkpoints as many layers as keep its
 activations within what one of `cap` tokens keeps with none checkpointed (W1 in fp32: the peak from 2.5 to 2.1 GiB
-for ~2 % of the time, docs/performance.md). Under DeepSpeed, FSDP, sequence parallelism or torch_compile every layer keeps full
-checkpointing (`selective_fits`; load.py).
+for ~2 % of the time, docs/performance.md).
+
+Under DeepSpeed, FSDP, sequence parallelism or torch_compile every layer keeps full checkpointing (`selective_fits`;
+load.py).
 
 The estimates, in bytes per token and layer under bf16 / fp16 autocast (twice that in fp32), for a Llama-style
 layer (hidden h, key/value width kv, intermediate i): none ≈ 34h + 8i (the norms keep fp32 copies, the MLP four
@@ -249,17 +251,19 @@ class LayerModes:
         chosen = self.for_tokens(tokens, cap)
         return (RECOMPUTE_COST["full"] * chosen.full + RECOMPUTE_COST["selective"] * chosen.selective) / chosen.layers
 
+    def extra_compute(self, held: Sequence[int], cap: int) -> float:
+        """The share of these micro-batches' layer compute that a cap adds (the layers it has them recompute)."""
+        counts = Counter(held)
+        extra = sum((self.recompute_share(tokens, cap) - self.recompute_share(tokens, None)) * tokens * n
+                    for tokens, n in counts.items() if tokens > cap)
+        return extra / max(sum(held), 1)
+
     def choose_cap(self, held: Sequence[int]) -> int | None:
         """Set and return the smallest cap, among the token counts of these micro-batches (a sample of the run's),
-        whose extra recompute over them stays within RECOMPUTE_SHARE of their compute; None when they are empty."""
-        counts = Counter(held)
-        uncapped = {tokens: self.recompute_share(tokens, None) for tokens in counts}
-        allowed = RECOMPUTE_SHARE * sum(tokens * n for tokens, n in counts.items())
+        whose extra compute over them stays within RECOMPUTE_SHARE; None when they are empty."""
         self.cap = None
-        for cap in sorted(counts, reverse=True):
-            extra = sum((self.recompute_share(tokens, cap) - uncapped[tokens]) * tokens * n
-                        for tokens, n in counts.items() if tokens > cap)
-            if extra > allowed:
+        for cap in sorted(set(held), reverse=True):
+            if self.extra_compute(held, cap) > RECOMPUTE_SHARE:
                 break
             self.cap = cap
         return self.cap

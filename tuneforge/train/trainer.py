@@ -506,8 +506,7 @@ class Trainer:
             logger.info(
                 "gradient checkpointing: a micro-batch of more than %d tokens checkpoints the layers its activations "
                 "would take beyond that (%d of %d sampled micro-batches, up to %d tokens; ~%.0f%% more compute)",
-                cap, over, len(held), max(held),
-                100 * sum(modes.recompute_share(n, cap) * n for n in held if n > cap) / max(sum(held), 1))
+                cap, over, len(held), max(held), 100 * modes.extra_compute(held, cap))
 
     @torch.no_grad()
     def _prepared(self, batches: list[Batch], seeds: list[list[int]]) -> list[Batch]:
