@@ -69,3 +69,19 @@ def test_each_micro_batch_checkpoints_as_its_tokens_need_and_trains_the_same(tmp
     assert chosen == plain and len(plain) == 4
     for name, weight in plain_lora.items():
         assert torch.equal(chosen_lora[name], weight), name
+
+
+def test_the_cap_counts_tokens_without_reading_media(tmp_path, tiny_model_dir):
+    """The sample that chooses the cap is collated without any media column (a feedback row's kl_ one too):
+    only token counts matter, and decoding images there would cost time for nothing."""
+    rows = random_dataset([5, 6, 7, 8]).add_column("mm_inputs", [b""] * 4).add_column("kl_mm_inputs", [b"x"] * 4)
+    seen = []
+
+    def collator(batch_rows):
+        seen.append(sorted(key for key in batch_rows[0] if key.endswith("mm_inputs")))
+        return collate(batch_rows)
+
+    cfg = make_cfg(tmp_path, tiny_model_dir, finetuning_type="lora", max_steps=1, per_device_train_batch_size=2,
+                   disable_gradient_checkpointing=None)
+    Trainer(cfg, load_model(cfg), None, rows, None, collator).train()
+    assert seen == [[], [], ["kl_mm_inputs", "mm_inputs"]]  # the 2 sampled micro-batches, then the step's

@@ -496,8 +496,9 @@ class Trainer:
                                       t.seed if t.data_seed is None else t.data_seed, 0, self.data_rank,
                                       self.data_ranks, shuffle=not t.disable_shuffling)
         rows = self.train_dataset
-        if MEDIA_COLUMN in (getattr(rows, "column_names", None) or ()):
-            rows = rows.remove_columns(MEDIA_COLUMN)
+        media = [c for c in getattr(rows, "column_names", None) or () if c.endswith(MEDIA_COLUMN)]  # kl_mm_inputs too
+        if media:
+            rows = rows.remove_columns(media)
         sample = batches[:: math.ceil(len(batches) / CAP_SAMPLE)]
         held = [held_tokens(self.collator([rows[i] for i in indices])) or 0 for indices in sample]
         cap = modes.choose_cap(held)
