@@ -491,10 +491,7 @@ class Trainer:
         modes = self.layer_modes
         if modes is None or self.samples or getattr(self.train_dataset, "streamed", False):
             return
-        t = self.cfg.train
-        batches = epoch_micro_batches(len(self.train_dataset), t.per_device_train_batch_size,
-                                      t.seed if t.data_seed is None else t.data_seed, 0, self.data_rank,
-                                      self.data_ranks, shuffle=not t.disable_shuffling)
+        batches = self._epoch_micro_batches(0)
         rows = self.train_dataset
         media = [c for c in getattr(rows, "column_names", None) or () if c.endswith(MEDIA_COLUMN)]  # kl_mm_inputs too
         if media:
@@ -534,16 +531,20 @@ class Trainer:
         t = self.cfg.train
         return autocast_inputs(self._plain_lora) if (t.bf16 or t.fp16) and self._plain_lora else contextlib.nullcontext()
 
+    def _epoch_micro_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's micro-batches of an epoch (epoch_micro_batches with the run's data seed)."""
+        t = self.cfg.train
+        # streamed rows come shuffled by their buffer, in the order they are read
+        shuffle = not (t.disable_shuffling or getattr(self.train_dataset, "streamed", False))
+        return epoch_micro_batches(len(self.train_dataset), t.per_device_train_batch_size,
+                                   t.seed if t.data_seed is None else t.data_seed, epoch, self.data_rank,
+                                   self.data_ranks, shuffle=shuffle)
+
     def _accumulation_groups(self) -> Iterator[tuple[list[list[int]], Phase]]:
         """The remaining micro-batches of the current epoch, gradient_accumulation_steps at a time, each group with
         its place in its rollout: `buffer` groups prepared together, stepped on `iterations` times in order."""
         t = self.cfg.train
-        size, epoch = t.per_device_train_batch_size, self.state.epoch
-        # streamed rows come shuffled by their buffer, in the order they are read
-        shuffle = not (t.disable_shuffling or getattr(self.train_dataset, "streamed", False))
-        batches = epoch_micro_batches(len(self.train_dataset), size, t.seed if t.data_seed is None else t.data_seed,
-                                      epoch, self.data_rank, self.data_ranks, shuffle=shuffle)
-        remaining = batches[self.state.batches_in_epoch :]
+        remaining = self._epoch_micro_batches(self.state.epoch)[self.state.batches_in_epoch :]
         ga = t.gradient_accumulation_steps
         for start in range(0, len(remaining), ga * self.buffer):
             rollout = remaining[start : start + ga * self.buffer]
