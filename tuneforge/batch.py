@@ -31,6 +31,9 @@ ROW_KINDS = ("plain", "pairwise", "feedback", "prompt")
 PAIRED_ROWS = ("pairwise", "feedback")  # row kinds that hold two sequences on one prompt
 # row kinds whose sequences may share one copy of their prompt: a pair's two, a prompt's sampled answers
 SHARED_PROMPT_ROWS = (*PAIRED_ROWS, "prompt")
+# the dataset column holding a row's processed media (serialized tensors); a preference row's sequences prefix it
+# (chosen_, rejected_, kl_)
+MEDIA_COLUMN = "mm_inputs"
 
 
 @dataclass(frozen=True)

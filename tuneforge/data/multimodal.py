@@ -17,11 +17,11 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tuneforge.batch import MEDIA_COLUMN as MEDIA_COLUMN  # re-exported: the data modules read it here
 from tuneforge.data import media, template
 from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.errors import DataError
 
-MEDIA_COLUMN = "mm_inputs"
 TOKEN_PREFIX = "token:"  # a per-token tensor (shaped like input_ids) in the stored inputs
 SKIPPED_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 

@@ -48,11 +48,10 @@ import torch
 import torch.distributed as dist
 from transformers import set_seed
 
-from tuneforge.batch import Batch, sample_seed
+from tuneforge.batch import MEDIA_COLUMN, Batch, sample_seed
 from tuneforge.config import RunConfig
 from tuneforge.config.kernels import compiles
 from tuneforge.config.schedules import SCHEDULES
-from tuneforge.data.multimodal import MEDIA_COLUMN
 from tuneforge.errors import DataError, TrainingError
 from tuneforge.model.checkpointing import held_tokens, layer_modes, selective_fits
 from tuneforge.model.mixed_precision import autocast_inputs, plain_lora_layers
