@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tuneforge.allocator import ENV, active, preload_env
+from tuneforge.allocator import ENV, active, bound_kernel_caches, preload_env
 from tuneforge.errors import TuneforgeError
 
 INSTALLED = {"tcmalloc_minimal": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
@@ -75,3 +75,58 @@ def test_the_command_line_runs_under_the_chosen_allocator():
     assert f"allocator system (glibc) ({ENV}=system)" in system.stdout
     bad = _cli_env("bogus")
     assert bad.returncode == 2 and f"error: {ENV}='bogus' is not one of" in bad.stderr
+
+
+def test_kernel_caches_are_bounded_where_the_user_set_nothing():
+    env = {"LRU_CACHE_CAPACITY": "2048"}
+    bound_kernel_caches(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "2048"}
+
+
+def test_the_command_line_bounds_the_kernel_caches():
+    env = {**os.environ, "LRU_CACHE_CAPACITY": "64"}
+    env.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+    run = subprocess.run([sys.executable, "-m", "tuneforge.cli", "env"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "kernel caches ONEDNN_PRIMITIVE_CACHE_CAPACITY=256, LRU_CACHE_CAPACITY=64" in run.stdout
+
+
+# bf16 products of many token counts, as padding-free micro-batches have: how much the process grew (MiB)
+PRODUCTS = """
+import re, sys, torch
+from pathlib import Path
+from tuneforge.allocator import bound_kernel_caches
+bound_kernel_caches()
+rss = lambda: int(re.search(r"VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+w = torch.randn(1536, 576, dtype=torch.bfloat16)
+for m in range(1, 50):
+    (torch.randn(m, 576, dtype=torch.bfloat16) @ w.t()) @ w
+start = rss()
+for m in range(50, 650):
+    (torch.randn(m, 576, dtype=torch.bfloat16) @ w.t()) @ w
+print(rss() - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_bounded_kernel_caches_stop_the_growth_from_new_token_counts():
+    from tuneforge.train.trainer import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16():
+        pytest.skip("bf16 products run through oneDNN's kernels on CPUs with native bf16")
+
+    def growth(**caches) -> float:
+        env = {**os.environ, **caches}
+        env.pop("LD_PRELOAD", None)
+        if not caches:
+            env.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+            env.pop("LRU_CACHE_CAPACITY", None)
+        run = subprocess.run([sys.executable, "-c", PRODUCTS], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return float(run.stdout)
+
+    # 1,200 kernels, ~0.5 MiB each: oneDNN's default 1,024 entries keep them all, 256 entries a fifth
+    unbounded = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    bounded = growth()
+    assert unbounded > 300 and bounded < unbounded / 2, (unbounded, bounded)

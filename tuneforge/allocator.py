@@ -6,6 +6,8 @@ step's other shapes fit them badly and the heap grows. On W1 in fp32 (docs/perfo
 peak RSS, tcmalloc and jemalloc with 2.6 GiB, at the same or better speed. Allocations of 32 MiB and more are also
 fresh mmaps under glibc, each page faulted in again (a 32 MiB buffer: 15 ms fresh, 1 ms reused).
 
+The same start also bounds oneDNN's kernel caches (`bound_kernel_caches`), which hold memory the same way.
+
 TUNEFORGE_ALLOCATOR: "auto" (default: tcmalloc, else jemalloc, else the system's), "tcmalloc", "jemalloc" (an
 error when not installed), or "system" (glibc, nothing preloaded). Linux only; a LD_PRELOAD that already names an
 allocator is kept. The libraries come from the system (Debian / Ubuntu: libtcmalloc-minimal4 or libjemalloc2;
@@ -17,7 +19,7 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 from tuneforge.errors import TuneforgeError
@@ -30,6 +32,23 @@ PACKAGES = {"tcmalloc": "libtcmalloc-minimal4 (Debian / Ubuntu) or gperftools (c
             "jemalloc": "libjemalloc2 (Debian / Ubuntu) or jemalloc (conda)"}
 # tcmalloc prints every allocation over 1 GiB to stderr by default (a large vocabulary's logits reach that)
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
+
+
+# oneDNN (torch's CPU kernels for bf16 / fp16 products) keeps every product it compiled for reuse, ~0.5 MiB each, in
+# two caches of 1,024 entries: its primitive cache and ideep's in front of it. A padding-free micro-batch or a prompt
+# has a token count of its own, so each new count adds a kernel per product shape that is seldom reused. W1 in bf16
+# grew by ~500 MiB this way (docs/performance.md). One step uses ~50 kernels, each many times: 256 entries hold a
+# step's with room to spare; a cache smaller than a step's would recompile on every call (4x slower steps at 0).
+KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+
+
+def bound_kernel_caches(env: MutableMapping[str, str] | None = None) -> None:
+    """Give oneDNN's kernel caches (in `env`, default this process's environment) the capacity of KERNEL_CACHES,
+    where the user has not set one. oneDNN reads the variables when it first builds a kernel, so this works in a
+    process that has imported torch but run no product yet."""
+    env = os.environ if env is None else env
+    for name, value in KERNEL_CACHES.items():
+        env.setdefault(name, value)
 
 
 def preload_env(env: Mapping[str, str], find: Callable[[str], str | None] = ctypes.util.find_library,
@@ -64,6 +83,11 @@ def active(preload: str | None = None) -> str | None:
 def describe() -> str:
     """The allocator in use, in words: "tcmalloc", "jemalloc" or "system (glibc)"."""
     return active() or "system (glibc)"
+
+
+def describe_kernel_caches() -> str:
+    """oneDNN's kernel cache capacities as this process has them (oneDNN's own default: 1024)."""
+    return ", ".join(f"{name}={os.environ.get(name, '1024 (default)')}" for name in KERNEL_CACHES)
 
 
 def reexec_with_allocator() -> None:

@@ -255,15 +255,17 @@ def cmd_env(_args) -> None:
         native = "native" if cpu_has_native_bf16() else "emulated, slow: prefer fp32"
         print(f"device cpu (no CUDA device visible), {torch.backends.cpu.get_cpu_capability()}, bf16 {native}")
     print(f"threads {torch.get_num_threads()} (cpu count {os.cpu_count()})")
-    from tuneforge.allocator import ENV, describe
+    from tuneforge.allocator import ENV, describe, describe_kernel_caches
 
     print(f"allocator {describe()} ({ENV}={os.environ.get(ENV, 'auto')})")
+    print(f"kernel caches {describe_kernel_caches()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line itself (not a call from Python): tcmalloc / jemalloc first (allocator.py)
-        from tuneforge.allocator import reexec_with_allocator
+        from tuneforge.allocator import bound_kernel_caches, reexec_with_allocator
 
+        bound_kernel_caches()
         try:
             reexec_with_allocator()
         except TuneforgeError as e:
