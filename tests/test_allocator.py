@@ -130,3 +130,17 @@ def test_bounded_kernel_caches_stop_the_growth_from_new_token_counts():
     unbounded = growth(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
     bounded = growth()
     assert unbounded > 300 and bounded < unbounded / 2, (unbounded, bounded)
+
+
+def test_without_either_library_the_log_says_what_to_install(monkeypatch):
+    import tuneforge.allocator as allocator
+
+    monkeypatch.setattr(allocator, "active", lambda preload=None: None)
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    monkeypatch.setenv(ENV, "auto")
+    assert allocator.describe().startswith("system (glibc): neither tcmalloc nor jemalloc is installed (install "
+                                           "libtcmalloc-minimal4 (Debian / Ubuntu)")
+    monkeypatch.setenv(ENV, "system")  # chosen on purpose: nothing to advise
+    assert allocator.describe() == "system (glibc)"
+    monkeypatch.setattr(allocator, "active", lambda preload=None: "jemalloc")
+    assert allocator.describe() == "jemalloc"

@@ -81,8 +81,14 @@ def active(preload: str | None = None) -> str | None:
 
 
 def describe() -> str:
-    """The allocator in use, in words: "tcmalloc", "jemalloc" or "system (glibc)"."""
-    return active() or "system (glibc)"
+    """The allocator in use, in words: "tcmalloc", "jemalloc" or "system (glibc)"; when auto found neither library,
+    what to install."""
+    if name := active():
+        return name
+    if os.environ.get(ENV, "auto").strip().lower() in ("auto", "") and sys.platform == "linux":
+        return (f"system (glibc): neither tcmalloc nor jemalloc is installed (install {PACKAGES['tcmalloc']}: "
+                f"a quarter to a third less peak memory in training)")
+    return "system (glibc)"
 
 
 def describe_kernel_caches() -> str:
