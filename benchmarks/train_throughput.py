@@ -247,7 +247,7 @@ def logged_allocator(log: Path) -> str | None:
     """The memory allocator the run logged (tuneforge/allocator.py: TUNEFORGE_ALLOCATOR picks it)."""
     marker = "memory allocator: "
     lines = [line for line in log.read_text().splitlines() if marker in line]
-    return lines[0].split(marker, 1)[1].split(":")[0].strip() if lines else None  # the name, not the advice
+    return lines[0].split(marker, 1)[1].strip() if lines else None
 
 
 if __name__ == "__main__":

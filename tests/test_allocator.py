@@ -138,9 +138,11 @@ def test_without_either_library_the_log_says_what_to_install(monkeypatch):
     monkeypatch.setattr(allocator, "active", lambda preload=None: None)
     monkeypatch.setattr(allocator.sys, "platform", "linux")
     monkeypatch.setenv(ENV, "auto")
-    assert allocator.describe().startswith("system (glibc): neither tcmalloc nor jemalloc is installed (install "
-                                           "libtcmalloc-minimal4 (Debian / Ubuntu)")
-    monkeypatch.setenv(ENV, "system")  # chosen on purpose: nothing to advise
     assert allocator.describe() == "system (glibc)"
+    assert allocator.install_advice().startswith("neither tcmalloc nor jemalloc is installed, so glibc's malloc runs: "
+                                                 "install libtcmalloc-minimal4 (Debian / Ubuntu)")
+    monkeypatch.setenv(ENV, "System ")  # chosen on purpose: nothing to advise
+    assert allocator.install_advice() is None
+    monkeypatch.setenv(ENV, "auto")
     monkeypatch.setattr(allocator, "active", lambda preload=None: "jemalloc")
-    assert allocator.describe() == "jemalloc"
+    assert allocator.describe() == "jemalloc" and allocator.install_advice() is None

@@ -54,7 +54,7 @@ def bound_kernel_caches(env: MutableMapping[str, str] | None = None) -> None:
 def preload_env(env: Mapping[str, str], find: Callable[[str], str | None] = ctypes.util.find_library,
                 platform: str = sys.platform) -> dict[str, str] | None:
     """The environment to re-run the command in, or None to run it as it is."""
-    choice = env.get(ENV, "auto").strip().lower() or "auto"
+    choice = chosen(env)
     if choice not in CHOICES:
         raise TuneforgeError(f"{ENV}={env[ENV]!r} is not one of {', '.join(CHOICES)}")
     if choice == "system" or platform != "linux" or active(env.get("LD_PRELOAD", "")):
@@ -70,6 +70,11 @@ def preload_env(env: Mapping[str, str], find: Callable[[str], str | None] = ctyp
     return None
 
 
+def chosen(env: Mapping[str, str]) -> str:
+    """TUNEFORGE_ALLOCATOR as written in env, normalised (unset or empty: auto); preload_env checks it."""
+    return env.get(ENV, "auto").strip().lower() or "auto"
+
+
 def active(preload: str | None = None) -> str | None:
     """The allocator in use: "tcmalloc" / "jemalloc" when its library is preloaded, else None (the system's)."""
     if preload is None:
@@ -81,14 +86,17 @@ def active(preload: str | None = None) -> str | None:
 
 
 def describe() -> str:
-    """The allocator in use, in words: "tcmalloc", "jemalloc" or "system (glibc)"; when auto found neither library,
-    what to install."""
-    if name := active():
-        return name
-    if os.environ.get(ENV, "auto").strip().lower() in ("auto", "") and sys.platform == "linux":
-        return (f"system (glibc): neither tcmalloc nor jemalloc is installed (install {PACKAGES['tcmalloc']}: "
-                f"a quarter to a third less peak memory in training)")
-    return "system (glibc)"
+    """The allocator in use, in words: "tcmalloc", "jemalloc" or "system (glibc)"."""
+    return active() or "system (glibc)"
+
+
+def install_advice() -> str | None:
+    """What to install, when auto (Linux) found neither library; None when an allocator is in use or the system's
+    was chosen on purpose."""
+    if active() or sys.platform != "linux" or chosen(os.environ) != "auto":
+        return None
+    return (f"neither tcmalloc nor jemalloc is installed, so glibc's malloc runs: install {PACKAGES['tcmalloc']} "
+            f"for a quarter to a third less peak memory in training")
 
 
 def describe_kernel_caches() -> str:

@@ -87,10 +87,12 @@ def cmd_train(args) -> int:
     from tuneforge.config import load
 
     cfg = load(args.config, args.overrides)  # every config error before the heavy imports
-    from tuneforge.allocator import describe
+    from tuneforge.allocator import describe, install_advice
     from tuneforge.stages import stage_of
 
     logging.getLogger(__name__).info("memory allocator: %s", describe())
+    if advice := install_advice():
+        logging.getLogger(__name__).warning(advice)
     from tuneforge.workflow import train
 
     r = train(cfg, ask=args.ask, argv=args.argv)
@@ -255,9 +257,11 @@ def cmd_env(_args) -> None:
         native = "native" if cpu_has_native_bf16() else "emulated, slow: prefer fp32"
         print(f"device cpu (no CUDA device visible), {torch.backends.cpu.get_cpu_capability()}, bf16 {native}")
     print(f"threads {torch.get_num_threads()} (cpu count {os.cpu_count()})")
-    from tuneforge.allocator import ENV, describe, describe_kernel_caches
+    from tuneforge.allocator import ENV, describe, describe_kernel_caches, install_advice
 
     print(f"allocator {describe()} ({ENV}={os.environ.get(ENV, 'auto')})")
+    if advice := install_advice():
+        print(f"  {advice}")
     print(f"kernel caches {describe_kernel_caches()}")
 
 
