@@ -76,7 +76,7 @@ def test_gpu_sh_names_a_python_that_cannot_run_it(tmp_path):
 
 
 @pytest.mark.e2e
-def test_dry_run_prints_every_figure(tmp_path, tokenizer):
+def test_dry_run_prints_every_figure(tmp_path, tokenizer, lf_data_dir):  # the dry run reads LlamaFactory's demo data
     env = {**os.environ, "TUNEFORGE_PYTHON": sys.executable, "GPU_BENCH_WORK": str(tmp_path),
            "TUNEFORGE_PEAK_TFLOPS": "0.4"}
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--no-peer"],
