@@ -20,6 +20,8 @@ MFU = flops_per_token x effective tokens/s / the GPU's dense bf16 peak (PEAK_TFL
 or TUNEFORGE_PEAK_TFLOPS). flops_per_token counts the matrix products of the model's linear layers (N = their
 weights, the LM head included, the embedding lookup not): 6N for full fine-tuning, 4N for LoRA (frozen weights get
 no weight gradient); attention scores and gradient checkpointing's recomputation are not counted (MFU, not HFU).
+LlamaFactory's effective tokens/s is its dataset's mean length x samples/s, so its MFU counts the trained samples
+at that length; the tokens/s ratio sets it beside tuneforge's run in the same definition (dataset_tokens_per_sec).
 Peak memory: torch.cuda.max_memory_allocated from the start of training in both (tuneforge's
 train_peak_memory_mb; LlamaFactory's through a callback in benchmarks/llamafactory_peer.py); the RSS on a CPU.
 
@@ -41,7 +43,7 @@ import time
 from pathlib import Path
 
 from llamafactory_peer import peer_config, run_llamafactory
-from train_throughput import DEFAULT_DATA, W1, train_child
+from train_throughput import DEFAULT_DATA, W1, dataset_tokens_per_sec, train_child
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "gpu-bench"
@@ -214,6 +216,7 @@ def run_pair(name: str, workload: dict, model: Path, env: dict, args, phases: Ph
     rows.append(result_row("tuneforge", common, ours_keys, env, res.get("train_tokens_per_second"),
                            res.get("train_samples_per_second"), res.get("train_runtime"), res.get("train_loss"),
                            res.get("train_peak_memory_mb"), wall, out))
+    rows[-1]["dataset_tokens_per_sec"] = dataset_tokens_per_sec(out, res)  # LlamaFactory's definition
     print(json.dumps(rows[-1]), flush=True)
     if args.peer_python:
         peer_keys = kernel_keys(args.peer_python, env["cuda"])
@@ -251,7 +254,9 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         found.append({
             "workload": ours["workload"],
-            "tokens_per_sec_ratio": ratio(ours["effective_tokens_per_sec"], peer["effective_tokens_per_sec"]),
+            # LlamaFactory's effective tokens/s is the dataset's mean length x samples/s (train_throughput.py)
+            "tokens_per_sec_ratio": ratio(ours.get("dataset_tokens_per_sec") or ours["effective_tokens_per_sec"],
+                                          peer["effective_tokens_per_sec"]),
             "peak_memory_ratio": ratio(ours["peak_memory_mb"], peer["peak_memory_mb"]),
             "mfu": [ours["mfu"], peer["mfu"]],
         })

@@ -21,8 +21,15 @@ W5: LoRA SFT of a vision-language model on mllm_demo (its 6 rows with images, ba
 
 Runs `tuneforge train` in a child process (so peak RSS is the whole run's) and prints one JSON line:
 effective (non-padding) tokens/s, samples/s (pairs/s for W2), train_runtime, peak RSS, final loss, the memory
-allocator the run used (TUNEFORGE_ALLOCATOR=system measures glibc's). With --peer it then runs the peer script on the same model and workload, and prints both lines and a third
-with the ratios. Timing is measured, never asserted.
+allocator the run used (TUNEFORGE_ALLOCATOR=system measures glibc's). With --peer it then runs the peer script on
+the same model and workload, and prints both lines and a third with the ratios. Timing is measured, never asserted.
+
+Two tokens/s figures, because LlamaFactory's `effective_tokens_per_sec` is not a count of the tokens it trained: it
+is the whole dataset's tokens x the epochs trained (a fraction when max_steps ends the run early) / runtime, i.e.
+the dataset's mean length x samples/s. A run that ends after the first samples of an epoch (W1 trains 120 of 256
+rows) counts them at the dataset's mean length, whatever their own. `effective_tokens_per_sec` is the tokens
+tuneforge trained; `dataset_tokens_per_sec` is its run in LlamaFactory's definition, which the tokens/s ratio uses
+(the same samples in the same order, from the same seed, in both).
 """
 
 from __future__ import annotations
@@ -137,7 +144,8 @@ def main() -> None:
         print(json.dumps(peer))
         print(json.dumps({
             "workload": args.workload,
-            "tokens_per_sec_ratio": ratio(ours["effective_tokens_per_sec"], peer["effective_tokens_per_sec"]),
+            # both in LlamaFactory's definition (the module's docstring)
+            "tokens_per_sec_ratio": ratio(ours["dataset_tokens_per_sec"], peer["effective_tokens_per_sec"]),
             "samples_per_sec_ratio": ratio(ours["samples_per_sec"], peer["samples_per_sec"]),
             "runtime_ratio": ratio(peer["train_runtime_s"], ours["train_runtime_s"]),
             "peak_rss_ratio": ratio(ours["peak_rss_mb"], peer["peak_rss_mb"]),
@@ -231,6 +239,7 @@ def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict
         "system": "tuneforge",
         "workload": workload,
         "effective_tokens_per_sec": res.get("train_tokens_per_second"),
+        "dataset_tokens_per_sec": dataset_tokens_per_sec(out, res),
         "samples_per_sec": res.get("train_samples_per_second"),
         "train_runtime_s": res.get("train_runtime"),
         "train_loss": res.get("train_loss"),
@@ -241,6 +250,23 @@ def run_tuneforge(workload: str, dataset_dir: str, overrides: list[str]) -> dict
         "allocator": logged_allocator(out / "log.txt"),
         "out": str(out),
     }
+
+
+def dataset_tokens_per_sec(out: Path, results: dict) -> float | None:
+    """The run's tokens/s in LlamaFactory's definition: the train split's mean length x samples/s."""
+    data, samples_per_sec = logged_data(out / "log.txt"), results.get("train_samples_per_second")
+    if not (data.get("train_tokens") and data.get("train_samples") and samples_per_sec):
+        return None
+    return round(data["train_tokens"] / data["train_samples"] * samples_per_sec, 3)
+
+
+def logged_data(log: Path) -> dict[str, int]:
+    """The train split's size from the run's "data: key=value, ..." line (samples and tokens after truncation)."""
+    for line in log.read_text().splitlines():
+        if "INFO tuneforge.workflow: data: " in line:
+            pairs = (item.split("=", 1) for item in line.split("data: ", 1)[1].split(", "))
+            return {k: int(v) for k, v in pairs if k in ("train_samples", "train_tokens")}
+    return {}
 
 
 def logged_allocator(log: Path) -> str | None:

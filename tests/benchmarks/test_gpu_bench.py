@@ -60,6 +60,9 @@ def test_ratios_pair_each_workload():
     ]
     assert gpu_bench.ratios(rows) == [{"workload": "W1", "tokens_per_sec_ratio": 3.0, "peak_memory_ratio": 0.6,
                                        "mfu": [0.3, 0.1]}]
+    # where tuneforge's run has its tokens/s in LlamaFactory's definition, the ratio uses that
+    rows[0]["dataset_tokens_per_sec"] = 320.0
+    assert gpu_bench.ratios(rows)[0]["tokens_per_sec_ratio"] == 3.2
 
 
 def test_unknown_workload_is_refused_before_anything_runs(monkeypatch):
@@ -89,6 +92,7 @@ def test_dry_run_prints_every_figure(tmp_path, tokenizer, lf_data_dir):  # the d
     for run, factor in zip(summary["runs"], (4, 6), strict=True):
         assert run["linear_params"] == n and run["flops_per_token"] == factor * n
         assert run["effective_tokens_per_sec"] > 0 and run["train_runtime_s"] > 0 and run["peak_memory_mb"] > 0
+        assert run["dataset_tokens_per_sec"] > 0  # read from the run's data line, for the ratio to LlamaFactory
         assert run["mfu"] == round(factor * n * run["effective_tokens_per_sec"] / 0.4e12, 4)
         assert run["peak_memory_kind"] == "RSS in training" and run["flash_attn"] == "sdpa"
         assert Path(run["out"]).parent == tmp_path / "runs"  # in the work folder, beside the peer's: none left in /tmp

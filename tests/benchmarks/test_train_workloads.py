@@ -35,3 +35,18 @@ def test_w3_is_full_fine_tuning_and_w4_qlora(tmp_path):
     cfg = peer_config({**tt.W4, "model_name_or_path": "/m"}, tmp_path, cpu=True)
     assert {k: cfg[k] for k in ("quantization_bit", "finetuning_type", "lora_rank", "max_steps", "use_cpu")} == {
         "quantization_bit": 4, "finetuning_type": "lora", "lora_rank": 8, "max_steps": 10, "use_cpu": True}
+
+
+def test_dataset_tokens_come_from_the_runs_data_line(tmp_path):
+    """tuneforge's tokens/s in LlamaFactory's definition needs the train split's samples and tokens, read from the
+    line the run logs (a line of a W1 run)."""
+    log = tmp_path / "log.txt"
+    log.write_text(
+        "07:30:44 INFO __main__: memory allocator: tcmalloc\n"
+        "07:30:49 INFO tuneforge.workflow: data: stage=sft, packing=False, rows_read=256, bad_rows=0, "
+        "dropped_by_truncation=0, train_samples=256, eval_samples=0, train_rows=256, train_tokens=50927, "
+        "train_supervised_tokens=38387, samples=256, tokens=50927\n")
+    assert tt.logged_data(log) == {"train_samples": 256, "train_tokens": 50927}
+    assert tt.logged_allocator(log) == "tcmalloc"
+    log.write_text("no data line\n")
+    assert tt.logged_data(log) == {}

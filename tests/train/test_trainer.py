@@ -139,6 +139,29 @@ def test_data_order_is_a_pure_function_of_seed_and_epoch():
     assert sorted(i for b in a for i in b) == list(range(7))
 
 
+def test_data_order_is_transformers_trainers(tmp_path):
+    """The same seed shuffles the rows as transformers' Trainer (so LlamaFactory) does, epoch by epoch: a run
+    moved over from LlamaFactory trains the same rows in the same order."""
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainingArguments, set_seed
+
+    class Scalar(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, seed=42, use_cpu=True,
+                             report_to="none", remove_unused_columns=False)
+    set_seed(42)
+    rows = [{"row": i} for i in range(30)]
+    hf = HFTrainer(model=Scalar(), args=args, train_dataset=rows,
+                   data_collator=lambda batch: {"row": [r["row"] for r in batch]})
+    loader = hf.get_train_dataloader()
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        assert [b["row"] for b in loader] == epoch_micro_batches(30, 4, seed=42, epoch=epoch)
+
+
 def test_ranks_split_each_global_micro_batch_and_get_equal_counts():
     one = epoch_micro_batches(8, 4, seed=3, epoch=0)
     ranks = [epoch_micro_batches(8, 2, seed=3, epoch=0, rank=r, world_size=2) for r in range(2)]
