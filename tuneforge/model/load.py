@@ -25,6 +25,7 @@ from tuneforge.model.kernels import (
     upcast_norms,
 )
 from tuneforge.model.lean_mlp import lean_gated_mlps
+from tuneforge.model.lora_addmm import add_lora_by_addmm
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
@@ -168,6 +169,7 @@ def load_model(cfg: RunConfig, device: torch.device | None = None) -> PreTrained
     if not m.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = apply_finetuning(model, cfg)
+    add_lora_by_addmm(model)
     if not half_weights:
         upcast_trainable_params(model)
     checkpointing = "off" if m.disable_gradient_checkpointing else "on"
