@@ -66,7 +66,7 @@ def test_bf16_is_within_bf16s_rounding_of_fp32(make_cfg, batch, monkeypatch):
 def _layer(**lora):
     torch.manual_seed(0)
     model = get_peft_model(nn.Sequential(nn.Linear(16, 12, bias=False)),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["0"], **lora))
+                           LoraConfig(**{"r": 4, "lora_alpha": 8, **lora}, target_modules=["0"]))
     _nonzero_b(model)
     return model, model.base_model.model[0]
 
@@ -105,3 +105,15 @@ def test_mixed_dtypes_without_autocast_run_pefts_forward():
     expected = model(x)
     add_lora_by_addmm(model)
     assert torch.equal(model(x), expected) and expected.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("r", "alpha", "exact"), [(4, 8, True), (4, 4, True), (3, 8, False), (16, 24, False)])
+def test_fp32_outputs_are_pefts_up_to_its_last_bit(r, alpha, exact):
+    """A power-of-two scaling is bit-identical; another differs by the rounding of peft's scaled copy."""
+    model, layer = _layer(r=r, lora_alpha=alpha)
+    x = torch.randn(5, 16)
+    expected = model(x)
+    add_lora_by_addmm(model)
+    if exact:
+        assert torch.equal(model(x), expected)
+    torch.testing.assert_close(model(x), expected, rtol=1e-6, atol=1e-6)
