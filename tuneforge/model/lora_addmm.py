@@ -30,11 +30,12 @@ def _addmm_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     lora_A, lora_B = self.lora_A[name], self.lora_B[name]
     if lora_B.bias is not None or not _plain(lora_B.weight):
         return own(self, x)
-    lora_x = self._cast_input_dtype(x, lora_A.weight.dtype)
-    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == lora_x.dtype == lora_B.weight.dtype:
+    lora_dtype = lora_A.weight.dtype if self.cast_input_dtype_enabled else x.dtype  # what _cast_input_dtype gives
+    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == lora_dtype == lora_B.weight.dtype:
         return own(self, x)  # peft sums mixed dtypes in the wider one
+    # in peft's order (the base first), so backward sums the input's gradients in the same order
     result = self.base_layer(x)
-    h = lora_A(lora_x)
+    h = lora_A(self._cast_input_dtype(x, lora_A.weight.dtype))
     out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_B.weight.t(),
                       alpha=self.scaling[name])
     return out.view(result.shape).to(result.dtype)
