@@ -5,7 +5,7 @@ tensors written, two of them by elementwise passes, and backward scales the grad
 added by the product itself (the product's beta = 1, alpha = scaling) the scaled copy and the sum are never written.
 In fp32 the result is bit-identical when the scaling is a power of two (the default lora_alpha = 2 x rank), else
 within fp32's last bit; under bf16 autocast the sum is rounded once, where peft rounds B's product and then the sum
-(docs/performance.md: W1 in bf16 4 % faster).
+(docs/performance.md: W1 in bf16 ~6 % faster).
 
 Only the plain case takes it (one active adapter, no dropout, no DoRA or other variant, no bias on B, not merged
 or disabled, no per-row adapter names, weights that are plain tensors); anything else, and every call that is not
