@@ -13,6 +13,20 @@ def loss_and_backward(model, input_ids, dtype=torch.float32):
     return loss
 
 
+def loss_and_grads(model, input_ids, dtype=torch.float32):
+    """loss_and_backward from zeroed gradients: the loss and a copy of every gradient, by parameter name."""
+    model.zero_grad()
+    loss = loss_and_backward(model, input_ids, dtype)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def nonzero_lora_b(model) -> None:
+    """LoRA's B starts at zero, which would leave the update (and A's gradient) out of a comparison."""
+    for name, param in model.named_parameters():
+        if ".lora_B." in name:
+            param.data.copy_(torch.linspace(-0.1, 0.1, param.numel()).view_as(param))
+
+
 def trainable_names(model) -> set[str]:
     return {name for name, param in model.named_parameters() if param.requires_grad}
 

@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import loss_and_backward
+from model_helpers import loss_and_grads, nonzero_lora_b
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from tuneforge.model import load_model
 from tuneforge.model.lora_addmm import _addmm_forward, add_lora_by_addmm, runs_addmm
-
-
-def _nonzero_b(model):
-    """B starts at zero, which would leave the update (and A's gradient) out of the comparison."""
-    for name, param in model.named_parameters():
-        if ".lora_B." in name:
-            param.data.copy_(torch.linspace(-0.1, 0.1, param.numel()).view_as(param))
-
-
-def _step(model, batch, dtype=torch.float32):
-    model.zero_grad()
-    loss = loss_and_backward(model, batch, dtype)
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _loaded_pair(make_cfg, monkeypatch, **keys):
@@ -34,14 +21,14 @@ def _loaded_pair(make_cfg, monkeypatch, **keys):
     torch.manual_seed(0)
     plain = load_model(cfg)
     assert runs_addmm(fused) and not runs_addmm(plain)
-    _nonzero_b(fused)
-    _nonzero_b(plain)
+    nonzero_lora_b(fused)
+    nonzero_lora_b(plain)
     return fused, plain
 
 
 def test_fp32_training_is_bit_identical_to_pefts_forward(make_cfg, batch, monkeypatch):
     fused, plain = _loaded_pair(make_cfg, monkeypatch)
-    (loss, grads), (plain_loss, plain_grads) = _step(fused, batch), _step(plain, batch)
+    (loss, grads), (plain_loss, plain_grads) = loss_and_grads(fused, batch), loss_and_grads(plain, batch)
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain_grads.keys() and any(".lora_A." in n for n in grads)
     for name, grad in plain_grads.items():
@@ -52,8 +39,8 @@ def test_bf16_is_within_bf16s_rounding_of_fp32(make_cfg, batch, monkeypatch):
     """Under bf16 autocast the sum is rounded once where peft rounds twice: both are within bf16's rounding of the
     fp32 numbers (a wrong scaling or a lost term would be off by the update itself)."""
     fused, plain = _loaded_pair(make_cfg, monkeypatch, bf16=True)
-    exact_loss, exact_grads = _step(plain, batch)
-    (loss, grads), (plain_loss, plain_grads) = _step(fused, batch, torch.bfloat16), _step(plain, batch, torch.bfloat16)
+    exact_loss, exact_grads = loss_and_grads(plain, batch)
+    (loss, grads), (plain_loss, plain_grads) = loss_and_grads(fused, batch, torch.bfloat16), loss_and_grads(plain, batch, torch.bfloat16)
     errors = {}
     for name, exact in exact_grads.items():
         errors[name] = [float((g[name] - exact).norm() / exact.norm()) for g in (grads, plain_grads)]
@@ -67,7 +54,7 @@ def _layer(**lora):
     torch.manual_seed(0)
     model = get_peft_model(nn.Sequential(nn.Linear(16, 12, bias=False)),
                            LoraConfig(**{"r": 4, "lora_alpha": 8, **lora}, target_modules=["0"]))
-    _nonzero_b(model)
+    nonzero_lora_b(model)
     return model, model.base_model.model[0]
 
 

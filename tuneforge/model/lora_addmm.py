@@ -18,6 +18,9 @@ from types import MethodType
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor  # imported by transformers and peft already
+
+from tuneforge.model.probed_swap import swapped
 
 
 def _addmm_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -44,8 +47,6 @@ def _addmm_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def _plain(weight: torch.Tensor) -> bool:
     """A weight the product can read as it is: not a ZeRO-3 partition (gathered only inside lora_B's own call) nor
     a DTensor shard."""
-    from torch.distributed.tensor import DTensor
-
     return not hasattr(weight, "ds_id") and not isinstance(weight, DTensor)
 
 
@@ -64,4 +65,4 @@ def add_lora_by_addmm(model: nn.Module) -> int:
 
 
 def runs_addmm(module: nn.Module) -> bool:
-    return any(getattr(m.forward, "__func__", None) is _addmm_forward for m in module.modules())
+    return swapped(module, _addmm_forward)
