@@ -119,3 +119,25 @@ def test_load_model_uses_packed_sdpa_unless_padding_free_is_off(make_cfg, tmp_pa
     full = load_model(make_cfg(finetuning_type="full"))
     full.save_pretrained(tmp_path)
     assert "tuneforge" not in (tmp_path / "config.json").read_text()
+
+
+def test_packed_sdpa_never_takes_cudnn_attention(monkeypatch):
+    """cuDNN's attention builds a graph for each new shape (~2.3 ms of CPU per call on an H100), and a padding-free
+    batch brings new lengths at every step: the per-sequence and shared-prompt calls run with cuDNN's kernel off,
+    and the switch is back on afterwards."""
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    module = SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    q, k, v = torch.randn(3, 1, 2, 9, 8).unbind(0)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    attention.packed_sdpa_attention_forward(module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert seen == [False, False]
+    attention.packed_sdpa_attention_forward(module, q, k, v, None, shared_prefix=torch.tensor([[0, 3, 3, 3]]))
+    assert seen == [False] * 4  # prompt + first answer, then the second answer
+    assert torch.backends.cuda.cudnn_sdp_enabled()

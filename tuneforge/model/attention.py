@@ -14,12 +14,18 @@ answer attends to the prompt and causally to itself, never to another answer.
 
 It is registered with transformers as PACKED_SDPA. Calls without `cu_seq_lens_q` or `shared_prefix`
 (generation, padded batches) and sliding-window layers take transformers' own sdpa path with its mask.
+
+Its per-sequence calls never take cuDNN's attention: on an H100 (torch 2.11) cuDNN builds a graph for each new
+shape, ~2.3 ms of CPU per call forward and again backward, and a padding-free batch brings new lengths at every
+step (a 1.1B model's step took 1.6 s instead of ~0.1). Flash and memory-efficient attention have no such cost; on
+a CPU the choice is the same as without the restriction.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tuneforge.model.recompute import remember
 from tuneforge.trunk import unwrapped
@@ -28,6 +34,8 @@ PACKED_SDPA = "tuneforge_packed_sdpa"
 SHARED_PREFIX = "shared_prefix"  # (groups, 2 + answers) long: start, prompt length, each answer's length (0: none)
 # the keywords of a padding-free batch that the model forwards down to its attention
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", SHARED_PREFIX)
+# every sdpa kernel but cuDNN's, in torch's order of preference (see the module's docstring)
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -38,11 +46,19 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
     if groups is not None:
         if kwargs.get("sliding_window") or query.shape[0] != 1:
             raise ValueError("shared-prompt rows need one flattened row and layers without a sliding window")
-        return _shared_prefix_attention(module, query, key, value, groups, dropout, scaling, **kwargs)
+        with sdpa_kernel(WITHOUT_CUDNN):
+            return _shared_prefix_attention(module, query, key, value, groups, dropout, scaling, **kwargs)
     bounds = kwargs.get("cu_seq_lens_q")  # sdpa_attention_forward ignores the varlen keywords
     if bounds is None or kwargs.get("sliding_window") or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    with sdpa_kernel(WITHOUT_CUDNN):
+        return _per_sequence_attention(module, query, key, value, bounds, dropout, scaling, **kwargs)
+
+
+def _per_sequence_attention(module, query, key, value, bounds, dropout, scaling, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     edges = bounds.tolist()
     lengths = [e - s for s, e in zip(edges[:-1], edges[1:], strict=True)]
     # split, not slices: the gradient of a split is one cat, where each slice's would be a zeroed full-size tensor
