@@ -290,15 +290,17 @@ def main() -> None:
     if args.dry_run:
         tiny = phases.run("build tiny model", build_model, "tiny", tokenizer, models / "tiny")
         model_of = {"W1": tiny, "F1B": tiny}
-    else:
+    else:  # each workload's model, built when it is asked for
         model_of = {
-            "W1": builtin or phases.run("build smollm2-135m", build_model, "smollm2-135m", tokenizer,
-                                        models / "smollm2-135m"),
-            "F1B": phases.run("build llama-1.1b", build_model, "llama-1.1b", tokenizer, models / "llama-1.1b"),
+            "W1": lambda: builtin or phases.run("build smollm2-135m", build_model, "smollm2-135m", tokenizer,
+                                                models / "smollm2-135m"),
+            "F1B": lambda: phases.run("build llama-1.1b", build_model, "llama-1.1b", tokenizer,
+                                      models / "llama-1.1b"),
         }
     rows = []
     for name in names:
-        rows += run_pair(name, WORKLOADS[name], model_of[name], env, args, phases)
+        model = model_of[name] if args.dry_run else model_of[name]()
+        rows += run_pair(name, WORKLOADS[name], model, env, args, phases)
     found = ratios(rows)
     for r in found:
         print(json.dumps(r), flush=True)

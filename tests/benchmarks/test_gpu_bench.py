@@ -1,10 +1,13 @@
 """benchmarks/gpu.sh and its driver: how MFU is counted, the GPU table, LlamaFactory's config on a GPU vs a CPU, the
-errors a user sees before anything runs, and (e2e) the dry run's JSON."""
+errors a user sees before anything runs, and (e2e) the dry run's JSON on an offline machine's setup."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,13 +81,41 @@ def test_gpu_sh_names_a_python_that_cannot_run_it(tmp_path):
     assert f"TUNEFORGE_PYTHON={tmp_path / 'nope'} does not import torch" in done.stderr
 
 
+def write_wheel(folder: Path, name: str) -> None:
+    """A pure-Python wheel of one empty module `name`."""
+    folder.mkdir(parents=True)
+    info = f"{name}-0.1.dist-info"
+    files = {f"{name}.py": "", f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-0.1-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
 @pytest.mark.e2e
-def test_dry_run_prints_every_figure(tmp_path, tokenizer, lf_data_dir):  # the dry run reads LlamaFactory's demo data
-    env = {**os.environ, "TUNEFORGE_PYTHON": sys.executable, "GPU_BENCH_WORK": str(tmp_path),
-           "TUNEFORGE_PEAK_TFLOPS": "0.4"}
+def test_dry_run_prints_every_figure(tmp_path, tokenizer, lf_data_dir):
+    """As on a GPU machine without network: a python that has torch and the stack but not tuneforge installed (the
+    site-packages on its path without their .pth files, so no editable install), and the folder `--pack` writes
+    (the tokenizer, LlamaFactory's demo data, wheels for this python, installed before anything runs)."""
+    work = tmp_path / "work"
+    assets = work / "assets"
+    tokenizer.save_pretrained(assets / "tokenizer")
+    (assets / "data").mkdir()
+    shutil.copy(lf_data_dir / "alpaca_en_demo.json", assets / "data")
+    info = json.loads((lf_data_dir / "dataset_info.json").read_text())
+    (assets / "data" / "dataset_info.json").write_text(json.dumps({"alpaca_en_demo": info["alpaca_en_demo"]}))
+    write_wheel(assets / "wheels" / f"cp{sys.version_info[0]}{sys.version_info[1]}" / "ours", "packed_probe")
+    python = tmp_path / "python3"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{sysconfig.get_paths()["purelib"]}" '
+                      f'exec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "TUNEFORGE_PYTHON": str(python), "GPU_BENCH_WORK": str(work), "TUNEFORGE_PEAK_TFLOPS": "0.4"}
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--no-peer"],
                           capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tuneforge: {python} (with {work / 'site-ours'})" in done.stderr
+    assert (work / "site-ours" / "packed_probe.py").is_file()
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["dry_run"] is True and summary["device"] == "cpu" and summary["peak_tflops"] == 0.4
     assert [(r["system"], r["workload"]) for r in summary["runs"]] == [("tuneforge", "W1"), ("tuneforge", "F1B")]
@@ -95,6 +126,6 @@ def test_dry_run_prints_every_figure(tmp_path, tokenizer, lf_data_dir):  # the d
         assert run["dataset_tokens_per_sec"] > 0  # read from the run's data line, for the ratio to LlamaFactory
         assert run["mfu"] == round(factor * n * run["effective_tokens_per_sec"] / 0.4e12, 4)
         assert run["peak_memory_kind"] == "RSS in training" and run["flash_attn"] == "sdpa"
-        assert Path(run["out"]).parent == tmp_path / "runs"  # in the work folder, beside the peer's: none left in /tmp
+        assert Path(run["out"]).parent == work / "runs"  # in the work folder, beside the peer's: none left in /tmp
     assert set(summary["phases_s"]) == {"setup", "build tiny model", "W1 tuneforge", "F1B tuneforge"}
     assert "[gpu_bench] W1 tuneforge:" in done.stderr
