@@ -55,10 +55,12 @@ def assert_same_run(one: Path, two: Path, keys: tuple[str, ...]) -> None:
 def test_two_ddp_processes_train_what_one_process_trains_and_resume(tmp_path, tiny_model_dir):
     one = tmp_path / "one"
     train("examples/sft_lora.yaml", one, tiny_model_dir, "per_device_train_batch_size=4")
-    two = tmp_path / "two"
+    two, temporary = tmp_path / "two", tmp_path / "tmp"
+    temporary.mkdir()
     r = train("examples/sft_lora.yaml", two, tiny_model_dir, "per_device_train_batch_size=2",
-              "save_strategy=steps", "save_steps=2", processes=2)
+              "save_strategy=steps", "save_steps=2", processes=2, env={"TMPDIR": str(temporary)})
     assert r.stdout.count("adapter saved in") == 1  # rank 0 reports for both
+    assert not list(temporary.iterdir())  # nothing left behind, torchrun's folder (torchelastic_* by default) too
     assert_same_run(one, two, ("loss", "grad_norm"))
 
     # two processes resume from the checkpoint of step 2 and end where the uninterrupted run ended

@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -113,14 +114,18 @@ def relaunch(plan: LaunchPlan, argv: list[str]) -> int:
     torchrun's output streams through as it comes; when a process fails, torchrun stops the others (none
     is left waiting in a collective) and its report's root cause names the rank, which the TrainingError
     repeats in one line."""
-    command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(), "-m", "tuneforge.cli", *argv]
     logger.info("starting %d processes per node on %s nodes (master %s:%d)", plan.nproc_per_node, plan.nnodes,
                 plan.master_addr, plan.master_port)
     tail: list[str] = []
-    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace") as process:
-        for line in process.stderr:
-            sys.stderr.write(line)
-            tail = (tail + [line])[-200:]
+    # torchrun's own files (each rank's error file) go to a folder removed afterwards; by default torchrun makes a
+    # new torchelastic_* folder in the temporary directory for every run and leaves it there
+    with tempfile.TemporaryDirectory(prefix="tuneforge-torchrun-") as logs:
+        command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(), "--log-dir", logs,
+                   "-m", "tuneforge.cli", *argv]
+        with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace") as process:
+            for line in process.stderr:
+                sys.stderr.write(line)
+                tail = (tail + [line])[-200:]
     if process.returncode == 0:
         return 0
     rank, code = failed_rank("".join(tail))
