@@ -2,7 +2,7 @@
 environments and runs this; it can also be run directly with a python that has CUDA torch and tuneforge's deps.
 
     python benchmarks/gpu_bench.py [--dry-run] [--peer-python PY] [--peer-pythonpath DIR] [--assets DIR]
-                                   [--work DIR] [--workloads W1,F1B]
+                                   [--work DIR] [--workloads W1,F1B] [--run-timeout SECONDS]
 
 Workloads, each run by tuneforge then by LlamaFactory with the same keys:
 W1:  LoRA SFT of SmolLM2-135M-Instruct on alpaca_en_demo (benchmarks/train_throughput.py's W1: 256 samples,
@@ -27,7 +27,8 @@ train_peak_memory_mb; LlamaFactory's through a callback in benchmarks/llamafacto
 
 --dry-run: the same flow on the CPU with a tiny Llama for both workloads, 3 steps, bf16 where the CPU has native
 bf16 (else fp32); MFU is null unless TUNEFORGE_PEAK_TFLOPS is set. Every run prints one JSON line; the last line
-is a summary with every run, the ratios and the seconds each phase took.
+is a summary with every run, the ratios and the seconds each phase took. A run that fails, or takes longer than
+--run-timeout seconds, prints an error row instead and the other runs go on; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -199,6 +200,16 @@ def resolve_assets(assets: Path | None, dataset_dir: str | None) -> tuple[Path, 
     return tokenizer, data, builtin
 
 
+def attempt(phases: Phases, name: str, fn, *args, **kwargs) -> tuple[object, str | None]:
+    """(fn's result, None), or (None, the message it exited with): a run that fails or runs past --run-timeout
+    becomes an error row, and the runs after it still run (a GPU's time is scarce)."""
+    try:
+        return phases.run(name, fn, *args, **kwargs), None
+    except SystemExit as failure:
+        print(f"[gpu_bench] {name} failed: {failure.code}", file=sys.stderr, flush=True)
+        return None, str(failure.code)
+
+
 def run_pair(name: str, workload: dict, model: Path, env: dict, args, phases: Phases) -> list[dict]:
     """tuneforge then (unless skipped) LlamaFactory on one workload: their JSON lines."""
     n_linear = linear_params(model)
@@ -212,21 +223,30 @@ def run_pair(name: str, workload: dict, model: Path, env: dict, args, phases: Ph
     ours_keys = kernel_keys(sys.executable, env["cuda"])
     runs = args.work / "runs"  # beside the peer's runs
     runs.mkdir(parents=True, exist_ok=True)
-    out, res, wall, _ = phases.run(f"{name} tuneforge", train_child, {**cfg, **ours_keys}, name.lower(), parent=runs)
-    rows.append(result_row("tuneforge", common, ours_keys, env, res.get("train_tokens_per_second"),
-                           res.get("train_samples_per_second"), res.get("train_runtime"), res.get("train_loss"),
-                           res.get("train_peak_memory_mb"), wall, out))
-    rows[-1]["dataset_tokens_per_sec"] = dataset_tokens_per_sec(out, res)  # LlamaFactory's definition
+    ours, error = attempt(phases, f"{name} tuneforge", train_child, {**cfg, **ours_keys}, name.lower(), parent=runs,
+                          timeout=args.run_timeout)
+    if error:
+        rows.append({"system": "tuneforge", **common, **ours_keys, "error": error})
+    else:
+        out, res, wall, _ = ours
+        rows.append(result_row("tuneforge", common, ours_keys, env, res.get("train_tokens_per_second"),
+                               res.get("train_samples_per_second"), res.get("train_runtime"), res.get("train_loss"),
+                               res.get("train_peak_memory_mb"), wall, out))
+        rows[-1]["dataset_tokens_per_sec"] = dataset_tokens_per_sec(out, res)  # LlamaFactory's definition
     print(json.dumps(rows[-1]), flush=True)
     if args.peer_python:
         peer_keys = kernel_keys(args.peer_python, env["cuda"])
         peer_out = runs / f"peer-{name.lower()}-{time.strftime('%H%M%S')}"
         env_vars = {"PYTHONPATH": args.peer_pythonpath} if args.peer_pythonpath else {}
-        peer = phases.run(f"{name} llamafactory", run_llamafactory, args.peer_python,
-                          peer_config({**cfg, **peer_keys}, peer_out, cpu=not env["cuda"]), peer_out, env_vars)
-        rows.append(result_row("llamafactory-0.9.5", common, peer_keys, env, peer["effective_tokens_per_sec"],
-                               peer["samples_per_sec"], peer["train_runtime_s"], peer["train_loss"],
-                               peer["train_peak_memory_mb"], peer["wall_s"], peer_out))
+        peer, error = attempt(phases, f"{name} llamafactory", run_llamafactory, args.peer_python,
+                              peer_config({**cfg, **peer_keys}, peer_out, cpu=not env["cuda"]), peer_out, env_vars,
+                              timeout=args.run_timeout)
+        if error:
+            rows.append({"system": "llamafactory-0.9.5", **common, **peer_keys, "error": error})
+        else:
+            rows.append(result_row("llamafactory-0.9.5", common, peer_keys, env, peer["effective_tokens_per_sec"],
+                                   peer["samples_per_sec"], peer["train_runtime_s"], peer["train_loss"],
+                                   peer["train_peak_memory_mb"], peer["wall_s"], peer_out))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -248,8 +268,9 @@ def result_row(system, common, keys, env, tokens, samples, runtime, loss, peak, 
 
 def ratios(rows: list[dict]) -> list[dict]:
     found = []
-    for ours in (r for r in rows if r["system"] == "tuneforge"):
-        peer = next((r for r in rows if r["workload"] == ours["workload"] and r is not ours), None)
+    done = [r for r in rows if "error" not in r]
+    for ours in (r for r in done if r["system"] == "tuneforge"):
+        peer = next((r for r in done if r["workload"] == ours["workload"] and r is not ours), None)
         if peer is None:
             continue
         found.append({
@@ -276,6 +297,8 @@ def main() -> None:
     parser.add_argument("--dataset-dir", help="LlamaFactory's demo data (default: the assets' or ../shared's)")
     parser.add_argument("--work", type=Path, default=WORK, help="models and runs go here (default: %(default)s)")
     parser.add_argument("--workloads", default="W1,F1B", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--run-timeout", type=float, help="seconds each system's run may take before it is killed "
+                        "and reported as an error row (default: no limit)")
     args = parser.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     if unknown := [w for w in names if w not in WORKLOADS]:
@@ -306,6 +329,8 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     print(json.dumps({"summary": True, "dry_run": args.dry_run, **env, "runs": rows, "ratios": found,
                       "phases_s": phases.seconds, "total_s": round(time.time() - started, 2)}), flush=True)
+    if failed := [f"{r['workload']} {r['system']}" for r in rows if "error" in r]:
+        sys.exit(f"failed: {', '.join(failed)} (their error rows say why)")
 
 
 if __name__ == "__main__":

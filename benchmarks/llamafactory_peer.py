@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,9 +62,9 @@ def peer_config(workload: dict, out: Path, *, cpu: bool) -> dict:
     return cfg
 
 
-def run_llamafactory(python: str, cfg: dict, out: Path, env: dict | None = None) -> dict:
+def run_llamafactory(python: str, cfg: dict, out: Path, env: dict | None = None, timeout: float | None = None) -> dict:
     """Run LlamaFactory (under `python`) on cfg; its results with peak memory and wall time. Exits naming the
-    log if it fails."""
+    log if it fails or runs past `timeout` seconds (then it is killed)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "peer.json").write_text(json.dumps(cfg, indent=2))
     cmd = [python, str(Path(__file__).resolve()), str(out / "peer.json"), str(out / "peak.json")]
@@ -71,8 +72,16 @@ def run_llamafactory(python: str, cfg: dict, out: Path, env: dict | None = None)
     with open(out / "log.txt", "w") as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out,
                                  env={**os.environ, "DISABLE_VERSION_CHECK": "1", **(env or {})})
+        killed = threading.Event()
+        timer = threading.Timer(timeout or 0, lambda: (killed.set(), child.kill()))
+        if timeout:
+            timer.start()
         _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage: its peak RSS alone
+        child.returncode = os.waitstatus_to_exitcode(status)  # reaped: the timer must not signal its pid
+        timer.cancel()
     wall = time.time() - start
+    if killed.is_set():
+        sys.exit(f"llamafactory did not finish within {timeout:g} s; see {out / 'log.txt'}")
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         tail = (out / "log.txt").read_text(errors="replace")[-2000:]

@@ -212,17 +212,20 @@ def run_peer_direct(workload: str, dataset_dir: str, extra: list[str], model: st
 
 
 def train_child(cfg: dict, workload: str, overrides: list[str] = (), parent: Path | None = None,
-                ) -> tuple[Path, dict, float, float]:
+                timeout: float | None = None) -> tuple[Path, dict, float, float]:
     """`tuneforge train` on cfg in a child process, its outputs in a new folder's run/ (in `parent`, else the system's
     temporary folder): (that folder, train_results.json, wall seconds, the children's peak RSS in MiB). Exits naming
-    the log if it fails."""
+    the log if it fails or runs past `timeout` seconds (then it is killed)."""
     out = Path(tempfile.mkdtemp(prefix=f"tuneforge-{workload.lower()}-", dir=parent))
     cfg = {**cfg, "output_dir": str(out / "run")}
     (out / "workload.json").write_text(json.dumps(cfg, indent=2))
     cmd = [sys.executable, "-m", "tuneforge.cli", "train", str(out / "workload.json"), *overrides]
     start = time.time()
     with open(out / "log.txt", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        try:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            sys.exit(f"tuneforge did not finish within {timeout:g} s; see {out / 'log.txt'}")
     wall = time.time() - start
     if code != 0:
         sys.exit(f"tuneforge failed ({code}); see {out / 'log.txt'}")

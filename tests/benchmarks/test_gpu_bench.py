@@ -9,6 +9,7 @@ import sys
 import sysconfig
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_bench  # noqa: E402
-from llamafactory_peer import peer_config  # noqa: E402
+from llamafactory_peer import peer_config, run_llamafactory  # noqa: E402
+from train_throughput import train_child  # noqa: E402
 
 
 def test_peak_by_device_name(monkeypatch):
@@ -66,6 +68,44 @@ def test_ratios_pair_each_workload():
     # where tuneforge's run has its tokens/s in LlamaFactory's definition, the ratio uses that
     rows[0]["dataset_tokens_per_sec"] = 320.0
     assert gpu_bench.ratios(rows)[0]["tokens_per_sec_ratio"] == 3.2
+
+
+def test_a_failed_run_is_an_error_row_and_the_others_still_run(monkeypatch, tmp_path, capsys):
+    """On a scarce GPU one run's failure (or timeout) must not cost the others: tuneforge's run fails here, and
+    LlamaFactory's still runs, with the same --run-timeout; no ratio is made from the failed pair."""
+    calls = []
+
+    def failing(cfg, workload, overrides=(), parent=None, timeout=None):
+        calls.append(("tuneforge", timeout))
+        sys.exit(f"tuneforge did not finish within {timeout:g} s; see log.txt")
+
+    def peer(python, cfg, out, env=None, timeout=None):
+        calls.append(("llamafactory", timeout))
+        return {"effective_tokens_per_sec": 100.0, "samples_per_sec": 0.5, "train_runtime_s": 9.0, "train_loss": 1.0,
+                "train_peak_memory_mb": 900.0, "wall_s": 12.0}
+
+    monkeypatch.setattr(gpu_bench, "train_child", failing)
+    monkeypatch.setattr(gpu_bench, "run_llamafactory", peer)
+    monkeypatch.setattr(gpu_bench, "linear_params", lambda model: 10)
+    args = SimpleNamespace(dry_run=False, dataset_dir=tmp_path, work=tmp_path, peer_python=sys.executable, peer_pythonpath=None,
+                           run_timeout=60.0)
+    env = {"device": "NVIDIA H100", "cuda": True, "bf16": True, "peak_tflops": 989.4}
+    rows = gpu_bench.run_pair("W1", gpu_bench.W1, tmp_path, env, args, gpu_bench.Phases())
+    assert calls == [("tuneforge", 60.0), ("llamafactory", 60.0)]
+    assert rows[0]["system"] == "tuneforge" and rows[0]["error"] == "tuneforge did not finish within 60 s; see log.txt"
+    assert rows[1]["effective_tokens_per_sec"] == 100.0 and "error" not in rows[1]
+    assert gpu_bench.ratios(rows) == []
+    assert "[gpu_bench] W1 tuneforge failed: tuneforge did not finish within 60 s" in capsys.readouterr().err
+
+
+def test_runs_past_their_timeout_are_killed_and_named(tmp_path):
+    with pytest.raises(SystemExit, match=r"tuneforge did not finish within 0.5 s; see .*log.txt"):
+        train_child({"stage": "sft"}, "W1", parent=tmp_path, timeout=0.5)
+    python = tmp_path / "slow-python"
+    python.write_text("#!/bin/sh\nexec sleep 30\n")
+    python.chmod(0o755)
+    with pytest.raises(SystemExit, match=r"llamafactory did not finish within 0.5 s; see .*log.txt"):
+        run_llamafactory(str(python), {}, tmp_path / "peer", timeout=0.5)
 
 
 def test_unknown_workload_is_refused_before_anything_runs(monkeypatch):
