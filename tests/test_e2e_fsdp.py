@@ -135,7 +135,8 @@ def test_teardown_ends_the_process_groups_fsdp_used(tmp_path):
     suspected ground of the rare "terminate called without an active exception" at exit)."""
     script = tmp_path / "teardown.py"
     script.write_text(TEARDOWN)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--log-dir", str(tmp_path / "torchrun"), str(script)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "OUT_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]

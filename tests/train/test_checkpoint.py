@@ -91,19 +91,12 @@ def test_atomic_folder_leaves_nothing_when_the_write_fails(tmp_path):
     assert [p.name for p in final.iterdir()] == ["b"]
 
 
-def test_rng_states_round_trip():
+def test_rng_states_round_trip(tmp_path):
     state = capture_rng()
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    restore_rng(torch.load(_saved(state), weights_only=True))
+    torch.save(state, tmp_path / "rng_state.pt")
+    restore_rng(torch.load(tmp_path / "rng_state.pt", weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
-
-
-def _saved(obj) -> Path:
-    import tempfile
-
-    path = Path(tempfile.mkdtemp()) / "rng_state.pt"
-    torch.save(obj, path)
-    return path
 
 
 @pytest.mark.parametrize("lora", [None, {"lora_dropout": 0.1}], ids=["full", "lora-with-dropout"])
