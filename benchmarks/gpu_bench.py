@@ -312,7 +312,7 @@ def main() -> None:
     models = args.work / "models"
     if args.dry_run:
         tiny = phases.run("build tiny model", build_model, "tiny", tokenizer, models / "tiny")
-        model_of = {"W1": tiny, "F1B": tiny}
+        model_of = {"W1": lambda: tiny, "F1B": lambda: tiny}
     else:  # each workload's model, built when it is asked for
         model_of = {
             "W1": lambda: builtin or phases.run("build smollm2-135m", build_model, "smollm2-135m", tokenizer,
@@ -322,8 +322,7 @@ def main() -> None:
         }
     rows = []
     for name in names:
-        model = model_of[name] if args.dry_run else model_of[name]()
-        rows += run_pair(name, WORKLOADS[name], model, env, args, phases)
+        rows += run_pair(name, WORKLOADS[name], model_of[name](), env, args, phases)
     found = ratios(rows)
     for r in found:
         print(json.dumps(r), flush=True)

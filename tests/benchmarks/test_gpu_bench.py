@@ -87,8 +87,8 @@ def test_a_failed_run_is_an_error_row_and_the_others_still_run(monkeypatch, tmp_
     monkeypatch.setattr(gpu_bench, "train_child", failing)
     monkeypatch.setattr(gpu_bench, "run_llamafactory", peer)
     monkeypatch.setattr(gpu_bench, "linear_params", lambda model: 10)
-    args = SimpleNamespace(dry_run=False, dataset_dir=tmp_path, work=tmp_path, peer_python=sys.executable, peer_pythonpath=None,
-                           run_timeout=60.0)
+    args = SimpleNamespace(dry_run=False, dataset_dir=tmp_path, work=tmp_path, peer_python=sys.executable,
+                           peer_pythonpath=None, run_timeout=60.0)
     env = {"device": "NVIDIA H100", "cuda": True, "bf16": True, "peak_tflops": 989.4}
     rows = gpu_bench.run_pair("W1", gpu_bench.W1, tmp_path, env, args, gpu_bench.Phases())
     assert calls == [("tuneforge", 60.0), ("llamafactory", 60.0)]

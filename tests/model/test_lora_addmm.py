@@ -40,7 +40,8 @@ def test_bf16_is_within_bf16s_rounding_of_fp32(make_cfg, batch, monkeypatch):
     fp32 numbers (a wrong scaling or a lost term would be off by the update itself)."""
     fused, plain = _loaded_pair(make_cfg, monkeypatch, bf16=True)
     exact_loss, exact_grads = loss_and_grads(plain, batch)
-    (loss, grads), (plain_loss, plain_grads) = loss_and_grads(fused, batch, torch.bfloat16), loss_and_grads(plain, batch, torch.bfloat16)
+    loss, grads = loss_and_grads(fused, batch, torch.bfloat16)
+    plain_loss, plain_grads = loss_and_grads(plain, batch, torch.bfloat16)
     errors = {}
     for name, exact in exact_grads.items():
         errors[name] = [float((g[name] - exact).norm() / exact.norm()) for g in (grads, plain_grads)]
