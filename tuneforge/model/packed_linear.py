@@ -8,7 +8,8 @@ prefill (~1000 rows) runs at about the same speed either way.
 
 `pack_for_generation(model)` swaps the decoder layers' `nn.Linear` modules and the output head for `PackedLinear`,
 which keeps only the packed weight; the dense weights are freed (a head tied to the input embeddings keeps a packed
-copy of them). The products are oneDNN's instead of MKL's: the same up to rounding, not bit for bit (the greedy
+copy of them), and their pages of a memory-mapped checkpoint are given back as each layer is packed
+(mapped_pages.py). The products are oneDNN's instead of MKL's: the same up to rounding, not bit for bit (the greedy
 answers of `benchmarks/predict_throughput.py` are identical). It is for models loaded to generate in batches
 (predict, eval's rewards): a packed layer has no gradient, and it refuses an input that needs one.
 
@@ -22,6 +23,7 @@ TUNEFORGE_PACKED_LINEAR=0 turns both off.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -33,6 +35,7 @@ from torch import nn
 
 from tuneforge.errors import ModelError, TuneforgeError
 from tuneforge.flags import parse_flag
+from tuneforge.model import mapped_pages
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +132,11 @@ def _works() -> bool:
         return False
 
 
-def _swap_in(model: nn.Module, *, adapters: bool) -> list[tuple[nn.Module, str, nn.Module]]:
+def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False) -> list[tuple[nn.Module, str, nn.Module]]:
     """Swap the decoder layers' linear layers and the output head for PackedLinear; returns (parent, name, the
     layer swapped out) of each. adapters: a LoRA layer is packed with its adapters merged into the copy; any other
-    adapter layer (and everything inside one) stays as it is."""
+    adapter layer (and everything inside one) stays as it is. release: the layers swapped out are dropped, so the
+    pages of a memory-mapped checkpoint that only they hold are given back as each is packed (mapped_pages.py)."""
     from tuneforge.model.adapters import decoder_layers
 
     why = _why_not(model, adapters=adapters)
@@ -159,7 +163,9 @@ def _swap_in(model: nn.Module, *, adapters: bool) -> list[tuple[nn.Module, str, 
             inside_adapters.update(id(m) for m in module.modules())
             if _mergeable(module):
                 chosen.add(id(module))
-    swapped = []
+    kept = _kept_spans(model, chosen) if release else []
+    mappings = mapped_pages.file_mappings() if release else []
+    swapped, released = [], 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in chosen:
@@ -168,7 +174,22 @@ def _swap_in(model: nn.Module, *, adapters: bool) -> list[tuple[nn.Module, str, 
                 weight = child.weight if plain else _merged_weight(child)  # merged one layer at a time
                 setattr(parent, name, PackedLinear(weight, child.bias if plain else child.base_layer.bias))
                 swapped.append((parent, name, child))
+                if release and plain:
+                    released += mapped_pages.release(child.weight, kept, mappings)
+    if released:
+        logger.debug("generation: %.0f MiB of the checkpoint's mapped pages given back", released / 2**20)
     return swapped
+
+
+def _kept_spans(model: nn.Module, chosen: set[int]) -> list[mapped_pages.Span]:
+    """The memory of every tensor that stays in use once the chosen layers are packed: those of the layers left as
+    they are, and a weight that two chosen layers share (the second is packed after the first is dropped)."""
+    left = [m for m in model.modules() if id(m) not in chosen]
+    packed = [m for m in model.modules() if id(m) in chosen]
+    tensors = [t for m in left for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    holders = collections.Counter(id(m.weight) for m in packed)
+    tensors += [m.weight for m in packed if holders[id(m.weight)] > 1]
+    return [mapped_pages.span(t) for t in tensors]
 
 
 def _own_memory(model: nn.Module) -> None:
@@ -185,7 +206,7 @@ def pack_for_generation(model: nn.Module) -> int:
     apply: see _why_not). The head gains at every row count (1 row: 1.75x, 200 rows: 1.18x); the layers gain at 2 to
     16 rows (a batched decode step: 2.2x at 4 rows) but lose at 1 row and between ~20 and ~200 (64 rows: 1.6 ms
     against 0.9), where a short prompt's prefill lies: the API server measured no gain, and keeps dense layers."""
-    swapped = _swap_in(model, adapters=False)
+    swapped = _swap_in(model, adapters=False, release=True)
     if swapped:
         _own_memory(model)
         logger.info("generation: %d linear layers packed for oneDNN (%s=0 keeps them as they are)", len(swapped), ENV)
