@@ -141,3 +141,28 @@ def test_packed_sdpa_never_takes_cudnn_attention(monkeypatch):
     attention.packed_sdpa_attention_forward(module, q, k, v, None, shared_prefix=torch.tensor([[0, 3, 3, 3]]))
     assert seen == [False] * 4  # prompt + first answer, then the second answer
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_sequence_boundaries_are_read_once_per_forward(tiny_model_dir, monkeypatch):
+    """Every layer gets the same boundaries tensor; reading it to the host is a GPU synchronisation, so it is read
+    once per forward, not once per layer, and read again for the next batch."""
+    from transformers import AutoModelForCausalLM
+
+    attention.register()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.set_attn_implementation(attention.PACKED_SDPA)
+    assert model.config.num_hidden_layers > 1
+    batches = [Collator(2, Layout(flat=True))(rows()) for _ in range(2)]
+    bounds = [b.model_inputs["cu_seq_lens_q"] for b in batches]
+    reads = []
+    original = torch.Tensor.tolist
+
+    def spy(tensor):
+        reads.extend(i for i, b in enumerate(bounds) if tensor is b)
+        return original(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    for batch in batches:
+        with torch.no_grad():
+            model(**batch.model_inputs)
+    assert reads == [0, 1]

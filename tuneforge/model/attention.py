@@ -23,6 +23,8 @@ a CPU the choice is the same as without the restriction.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -56,10 +58,24 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
         return _per_sequence_attention(module, query, key, value, bounds, dropout, scaling, **kwargs)
 
 
+def host_list(values: torch.Tensor) -> list:
+    """values.tolist(), read once per forward: every layer gets the same boundaries tensor, and on a GPU each read waits
+    for the device to finish all queued work (a synchronisation per layer, which keeps the host from running ahead)."""
+    global _last_read
+    if _last_read is not None and _last_read[0]() is values and _last_read[1] == values._version:
+        return _last_read[2]
+    out = values.tolist()
+    _last_read = (weakref.ref(values), values._version, out)
+    return out
+
+
+_last_read: tuple[weakref.ref, int, list] | None = None
+
+
 def _per_sequence_attention(module, query, key, value, bounds, dropout, scaling, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    edges = bounds.tolist()
+    edges = host_list(bounds)
     lengths = [e - s for s, e in zip(edges[:-1], edges[1:], strict=True)]
     # split, not slices: the gradient of a split is one cat, where each slice's would be a zeroed full-size tensor
     sequences = zip(*(t[:, :, edges[0]:edges[-1]].split(lengths, dim=2) for t in (query, key, value)), strict=True)
@@ -89,7 +105,7 @@ def _shared_prefix_attention(module, query, key, value, groups, dropout, scaling
                                       is_causal=mask is None, **kwargs)[0]
 
     pieces = []
-    for start, prompt, first, *others in groups.tolist():
+    for start, prompt, first, *others in host_list(groups):
         end = start + prompt + first
         pieces.append(attend(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None))
         for length in others:

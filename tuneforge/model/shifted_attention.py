@@ -49,7 +49,7 @@ def shifted_sdpa_attention_forward(module, query, key, value, attention_mask, dr
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or query.shape[0] != 1 or kwargs.get(attention.SHARED_PREFIX) is not None:
         raise RuntimeError("shift_attn trains on padding-free rows of plain sequences (cu_seq_lens_q)")
-    edges = bounds.tolist()
+    edges = attention.host_list(bounds)
     pieces = [shifted_sparse_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling)
               for s, e in zip(edges[:-1], edges[1:], strict=True)]
     return torch.cat(pieces, dim=1), None
