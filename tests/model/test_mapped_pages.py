@@ -83,3 +83,17 @@ def test_a_weight_two_packed_layers_share_is_packed_whole_twice(checkpoint):
     x = torch.randn(3, expected.shape[1])
     for mlp in (first, second):
         torch.testing.assert_close(mlp.up_proj(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_converted_at_load_are_freed_as_packing_goes(checkpoint, tmp_path, monkeypatch):
+    """A bf16 checkpoint loaded in fp32 lies in ordinary memory, not in the map: each dense weight is freed as soon
+    as its packed copy is made, so the two are never all held together."""
+    import weakref
+
+    AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    dense = [weakref.ref(m.weight) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    alive = []
+    monkeypatch.setattr(packed_linear, "_own_memory", lambda m: alive.append(sum(r() is not None for r in dense)))
+    assert packed_linear.pack_for_generation(model) == len(dense) + 1
+    assert alive == [0]  # none left by the time every layer is packed

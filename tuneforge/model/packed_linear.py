@@ -135,8 +135,9 @@ def _works() -> bool:
 def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False) -> list[tuple[nn.Module, str, nn.Module]]:
     """Swap the decoder layers' linear layers and the output head for PackedLinear; returns (parent, name, the
     layer swapped out) of each. adapters: a LoRA layer is packed with its adapters merged into the copy; any other
-    adapter layer (and everything inside one) stays as it is. release: the layers swapped out are dropped, so the
-    pages of a memory-mapped checkpoint that only they hold are given back as each is packed (mapped_pages.py)."""
+    adapter layer (and everything inside one) stays as it is. release: the layers swapped out are dropped; each
+    one's dense weight goes as soon as its copy is made, and its pages of a memory-mapped checkpoint that nothing kept
+    shares are given back (mapped_pages.py)."""
     from tuneforge.model.adapters import decoder_layers
 
     why = _why_not(model, adapters=adapters)
@@ -174,8 +175,9 @@ def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False) -> list
                 weight = child.weight if plain else _merged_weight(child)  # merged one layer at a time
                 setattr(parent, name, PackedLinear(weight, child.bias if plain else child.base_layer.bias))
                 swapped.append((parent, name, child))
-                if release and plain:
+                if release and plain:  # its dense weight goes now, not once every layer is packed
                     released += mapped_pages.release(child.weight, kept, mappings)
+                    child.weight = None
     if released:
         logger.debug("generation: %.0f MiB of the checkpoint's mapped pages given back", released / 2**20)
     return swapped
