@@ -38,6 +38,18 @@ def resident_bytes(path) -> int:
     return total
 
 
+def recording_packing(monkeypatch, record):
+    """PackedLinear, calling record() before each layer is packed."""
+    packed_linear._works()  # its probe packs a layer of its own, once per process: before recording starts
+    original = packed_linear.PackedLinear
+
+    def packed(*args, **kwargs):
+        record()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", packed)
+
+
 def test_packing_gives_back_the_packed_weights_pages(checkpoint, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     file = checkpoint / "model.safetensors"
@@ -47,12 +59,17 @@ def test_packing_gives_back_the_packed_weights_pages(checkpoint, monkeypatch):
     embeddings = model.model.embed_tokens.weight.nbytes
     assert resident_bytes(file) > decoder + embeddings  # the map holds everything it was read for
     seen = []
-    monkeypatch.setattr(packed_linear, "_own_memory", lambda m: seen.append(resident_bytes(file)))
+    recording_packing(monkeypatch, lambda: seen.append(resident_bytes(file)))
     packed = packed_linear.pack_for_generation(model)
-    assert packed == 2 * 7 + 1
-    # while the dense layers still exist, only the embeddings (the tied head's weight: kept), the norms and the pages
-    # each packed weight shares with its neighbours stay
-    assert seen and seen[0] <= embeddings + mmap.PAGESIZE * (2 * packed + 5)
+    assert packed == len(seen) == 2 * 7 + 1
+    # each layer's pages go once it is packed: before the last one, only it, the embeddings (the tied head's weight:
+    # kept), the norms and the pages each packed weight shares with its neighbours are resident; afterwards no more
+    edges = mmap.PAGESIZE * (2 * packed + 5)
+    largest = max(m.weight.nbytes for m in AutoModelForCausalLM.from_pretrained(checkpoint).model.layers.modules()
+                  if isinstance(m, torch.nn.Linear))
+    assert seen == sorted(seen, reverse=True)
+    assert seen[-1] <= embeddings + largest + edges
+    assert resident_bytes(file) <= embeddings + edges
 
 
 def test_pages_a_kept_tensor_shares_are_never_given_back(checkpoint):
@@ -94,6 +111,8 @@ def test_weights_converted_at_load_are_freed_as_packing_goes(checkpoint, tmp_pat
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     dense = [weakref.ref(m.weight) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     alive = []
-    monkeypatch.setattr(packed_linear, "_own_memory", lambda m: alive.append(sum(r() is not None for r in dense)))
+    recording_packing(monkeypatch, lambda: alive.append(sum(r() is not None for r in dense)))
     assert packed_linear.pack_for_generation(model) == len(dense) + 1
-    assert alive == [0]  # none left by the time every layer is packed
+    # one fewer at each layer packed (the tied head frees nothing): the last one is alone when it is packed
+    assert alive == sorted(alive, reverse=True) and alive[-1] == 1
+    assert all(r() is None for r in dense)

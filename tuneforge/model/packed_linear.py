@@ -132,9 +132,10 @@ def _works() -> bool:
         return False
 
 
-def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False) -> list[tuple[nn.Module, str, nn.Module]]:
+def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False
+             ) -> tuple[list[tuple[nn.Module, str, nn.Module]], int]:
     """Swap the decoder layers' linear layers and the output head for PackedLinear; returns (parent, name, the
-    layer swapped out) of each. adapters: a LoRA layer is packed with its adapters merged into the copy; any other
+    layer swapped out) of each, and the bytes of mapped pages given back. adapters: a LoRA layer is packed with its adapters merged into the copy; any other
     adapter layer (and everything inside one) stays as it is. release: the layers swapped out are dropped; each
     one's dense weight goes as soon as its copy is made, and its pages of a memory-mapped checkpoint that nothing kept
     shares are given back (mapped_pages.py)."""
@@ -148,7 +149,7 @@ def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False) -> list
             why = str(e)
     if why is not None:
         logger.debug("linear layers not packed for generation: %s", why)
-        return []
+        return [], 0
     candidates = [m for layer in decoder for m in layer.modules()]
     head = model.get_output_embeddings()
     if isinstance(head, nn.Module):
@@ -180,7 +181,7 @@ def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False) -> list
                     child.weight = None
     if released:
         logger.debug("generation: %.0f MiB of the checkpoint's mapped pages given back", released / 2**20)
-    return swapped
+    return swapped, released
 
 
 def _kept_spans(model: nn.Module, chosen: set[int]) -> list[mapped_pages.Span]:
@@ -195,9 +196,9 @@ def _kept_spans(model: nn.Module, chosen: set[int]) -> list[mapped_pages.Span]:
 
 
 def _own_memory(model: nn.Module) -> None:
-    """Copy the weights left dense (embeddings, norms) out of the checkpoint's memory map. transformers maps a
-    safetensors file whose dtype needs no conversion; the map lives while any tensor in it does, and the pages the
-    packing read stay resident with it: without this the dense weights would stay in the RSS beside the packed."""
+    """Copy the weights left dense (embeddings, norms) out of the checkpoint's memory map, so that the map goes. The
+    map lives while any tensor in it does, and the pages the packing read stay resident with it: where they could not
+    be given back one weight at a time, the dense weights would stay in the RSS beside the packed."""
     for tensor in [*model.parameters(), *model.buffers()]:  # each shared (tied) tensor once
         tensor.data = tensor.data.clone()
 
@@ -208,9 +209,10 @@ def pack_for_generation(model: nn.Module) -> int:
     apply: see _why_not). The head gains at every row count (1 row: 1.75x, 200 rows: 1.18x); the layers gain at 2 to
     16 rows (a batched decode step: 2.2x at 4 rows) but lose at 1 row and between ~20 and ~200 (64 rows: 1.6 ms
     against 0.9), where a short prompt's prefill lies: the API server measured no gain, and keeps dense layers."""
-    swapped = _swap_in(model, adapters=False, release=True)
+    swapped, released = _swap_in(model, adapters=False, release=True)
     if swapped:
-        _own_memory(model)
+        if not released:  # else the map keeps only the pages of the weights left dense, which are needed anyway
+            _own_memory(model)
         logger.info("generation: %d linear layers packed for oneDNN (%s=0 keeps them as they are)", len(swapped), ENV)
     return len(swapped)
 
@@ -222,7 +224,7 @@ def packed_while_generating(model: nn.Module) -> Iterator[int]:
     Yields how many layers were packed (0 where packing does not apply). The copies are built under no_grad and
     refuse inputs that need a gradient."""
     with torch.no_grad():
-        swapped = _swap_in(model, adapters=True)
+        swapped, _ = _swap_in(model, adapters=True)
     if swapped:
         logger.debug("generation: %d linear layers packed for this block", len(swapped))
     try:
