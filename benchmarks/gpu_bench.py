@@ -25,6 +25,9 @@ at that length; the tokens/s ratio sets it beside tuneforge's run in the same de
 Peak memory: torch.cuda.max_memory_allocated from the start of training in both (tuneforge's
 train_peak_memory_mb; LlamaFactory's through a callback in benchmarks/llamafactory_peer.py); the RSS on a CPU.
 
+First, benchmarks/attention_probe.py: which sdpa kernel torch picks on the device for padding-free training calls
+and for decode steps, and what cuDNN's attention costs per new shape (its figures go into the summary).
+
 --dry-run: the same flow on the CPU with a tiny Llama for both workloads, 3 steps, bf16 where the CPU has native
 bf16 (else fp32); MFU is null unless TUNEFORGE_PEAK_TFLOPS is set. Every run prints one JSON line; the last line
 is a summary with every run, the ratios and the seconds each phase took. A run that fails, or takes longer than
@@ -43,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+import attention_probe
 from llamafactory_peer import peer_config, run_llamafactory
 from train_throughput import DEFAULT_DATA, W1, dataset_tokens_per_sec, train_child
 
@@ -181,6 +185,15 @@ def environment(dry_run: bool) -> dict:
     return {"device": name, "cuda": cuda, "bf16": bf16, "peak_tflops": peak_tflops(name), "torch": torch.__version__}
 
 
+def probe_attention(dry_run: bool) -> dict:
+    """attention_probe.py's figures (which sdpa kernel torch picks, cuDNN's cost per new shape); a probe that fails
+    is reported, never fatal: the runs after it matter more."""
+    try:
+        return attention_probe.probe(dry_run)
+    except Exception as failure:  # noqa: BLE001 - any failure of a private torch API is a row, not a lost GPU run
+        return {"error": f"{type(failure).__name__}: {failure}"}
+
+
 def resolve_assets(assets: Path | None, dataset_dir: str | None) -> tuple[Path, Path, Path | None]:
     """(tokenizer folder, dataset_dir, the built-in model's folder or None): from --assets (what `gpu.sh --pack`
     wrote) or the project's own cache and ../shared; a clear exit naming what is missing."""
@@ -306,6 +319,8 @@ def main() -> None:
     started = time.time()
     phases = Phases()
     env = phases.run("setup", environment, args.dry_run)
+    env["attention_probe"] = phases.run("attention probe", probe_attention, args.dry_run)
+    print(f"[gpu_bench] attention: {json.dumps(env['attention_probe'])}", file=sys.stderr, flush=True)
     tokenizer, args.dataset_dir, builtin = resolve_assets(args.assets, args.dataset_dir)
     print(f"[gpu_bench] {env['device']}, peak {env['peak_tflops']} TFLOP/s bf16, torch {env['torch']}; "
           f"peer: {args.peer_python or 'skipped'}", file=sys.stderr, flush=True)

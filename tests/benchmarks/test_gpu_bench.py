@@ -98,6 +98,15 @@ def test_a_failed_run_is_an_error_row_and_the_others_still_run(monkeypatch, tmp_
     assert "[gpu_bench] W1 tuneforge failed: tuneforge did not finish within 60 s" in capsys.readouterr().err
 
 
+def test_a_failed_attention_probe_is_reported_not_fatal(monkeypatch):
+    def missing(dry_run):
+        raise AttributeError("module 'torch' has no attribute '_fused_sdp_choice'")
+
+    monkeypatch.setattr(gpu_bench.attention_probe, "probe", missing)
+    assert gpu_bench.probe_attention(False) == {
+        "error": "AttributeError: module 'torch' has no attribute '_fused_sdp_choice'"}
+
+
 def test_runs_past_their_timeout_are_killed_and_named(tmp_path):
     with pytest.raises(SystemExit, match=r"tuneforge did not finish within 0.5 s; see .*log.txt"):
         train_child({"stage": "sft"}, "W1", parent=tmp_path, timeout=0.5)
@@ -167,5 +176,10 @@ def test_dry_run_prints_every_figure(tmp_path, tokenizer, lf_data_dir):
         assert run["mfu"] == round(factor * n * run["effective_tokens_per_sec"] / 0.4e12, 4)
         assert run["peak_memory_kind"] == "RSS in training" and run["flash_attn"] == "sdpa"
         assert Path(run["out"]).parent == work / "runs"  # in the work folder, beside the peer's: none left in /tmp
-    assert set(summary["phases_s"]) == {"setup", "build tiny model", "W1 tuneforge", "F1B tuneforge"}
+    assert set(summary["phases_s"]) == {"setup", "attention probe", "build tiny model", "W1 tuneforge",
+                                        "F1B tuneforge"}
     assert "[gpu_bench] W1 tuneforge:" in done.stderr
+    probe = summary["attention_probe"]  # which sdpa kernel torch picks, and a call's cost with and without cuDNN's
+    for pattern in ("training, a new length each call", "decode, keys one longer each step"):
+        assert probe[pattern]["torch_picks"] == "FLASH_ATTENTION"  # a CPU's; on a GPU the answer the probe is for
+        assert probe[pattern]["ms_per_call"] > 0 and probe[pattern]["ms_per_call_without_cudnn"] > 0
