@@ -9,7 +9,7 @@ says whether generation needs the same treatment. benchmarks/gpu_bench.py runs i
     python benchmarks/attention_probe.py [--dry-run]
 
 Prints one JSON object: per pattern, the kernel torch picks (`torch._fused_sdp_choice`) and milliseconds a call
-(synchronised) for each setting. --dry-run: small shapes on the CPU, to check the flow.
+(synchronised): with torch's choice on shapes new to it, on the same shapes again, and without cuDNN's kernel. --dry-run: small shapes on the CPU, to check the flow.
 """
 
 from __future__ import annotations
@@ -29,40 +29,49 @@ FULL = {"heads": 32, "kv_heads": 4, "dim": 64, "lengths": [97, 211, 64, 533, 150
 DRY = {"heads": 4, "kv_heads": 2, "dim": 16, "lengths": [9, 17, 12], "batch": 2, "prompt": 8, "steps": 3}
 
 
-def training_calls(shape: dict, device: str, dtype: torch.dtype) -> list:
-    """One causal forward and backward per sequence, each of a length not met before (as in a padding-free batch)."""
-    def call(n):
-        q = torch.randn(1, shape["heads"], n, shape["dim"], device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, shape["kv_heads"], n, shape["dim"], device=device, dtype=dtype, requires_grad=True)
-                for _ in range(2))
-        return lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True).sum().backward()
-    return [call(n) for n in shape["lengths"]]
+def training_inputs(shape: dict, device: str, dtype: torch.dtype) -> list[tuple]:
+    """One causal sequence per call, each of a length not met before (as in a padding-free batch); with gradients."""
+    h, g, d = shape["heads"], shape["kv_heads"], shape["dim"]
+    return [(*(torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=True) for heads in (h, g, g)),
+             {"is_causal": True}) for n in shape["lengths"]]
 
 
-def decode_calls(shape: dict, device: str, dtype: torch.dtype) -> list:
+def decode_inputs(shape: dict, device: str, dtype: torch.dtype) -> list[tuple]:
     """Decode steps of a left-padded batch: one query token, keys one longer each step, a boolean padding mask."""
-    def call(length):
-        b, h, g, d = shape["batch"], shape["heads"], shape["kv_heads"], shape["dim"]
-        q = torch.randn(b, h, 1, d, device=device, dtype=dtype)
-        k, v = (torch.randn(b, g, length, d, device=device, dtype=dtype) for _ in range(2))
+    b, h, g, d = shape["batch"], shape["heads"], shape["kv_heads"], shape["dim"]
+    steps = []
+    for length in range(shape["prompt"], shape["prompt"] + shape["steps"]):
         mask = torch.ones(b, 1, 1, length, device=device, dtype=torch.bool)
         mask[1:, ..., :3] = False  # the shorter prompts' left padding
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return [call(shape["prompt"] + i) for i in range(shape["steps"])]
+        steps.append((torch.randn(b, h, 1, d, device=device, dtype=dtype),
+                      *(torch.randn(b, g, length, d, device=device, dtype=dtype) for _ in range(2)),
+                      {"attn_mask": mask}))
+    return steps
 
 
-def timed(calls: list, device: str, backends: list | None) -> float:
+def attend(query, key, value, kwargs) -> None:
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, enable_gqa=True, **kwargs)
+    if query.requires_grad:
+        out.sum().backward()
+
+
+def timed(calls: list[tuple], device: str, backends: list | None) -> float:
     """Milliseconds a call, each call once (every shape new to the kernel), synchronised."""
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for call in calls:
-            call()
+            attend(*call)
         if device == "cuda":
             torch.cuda.synchronize()
     return round((time.perf_counter() - start) / len(calls) * 1000, 3)
+
+
+def picks(calls: list[tuple]) -> str:
+    """The kernel torch's dispatcher picks for the first call, every kernel allowed."""
+    query, key, value, kwargs = calls[0]
+    return SDPBackend(torch._fused_sdp_choice(query, key, value, enable_gqa=True, **kwargs)).name
 
 
 def probe(dry_run: bool) -> dict:
@@ -71,34 +80,19 @@ def probe(dry_run: bool) -> dict:
     shape = DRY if dry_run else FULL
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
-    # the kernels' own start-up, on shapes the timed calls do not use
-    timed(training_calls({**shape, "lengths": [shape["lengths"][0] + 1]}, device, dtype), device, None)
-    timed(decode_calls({**shape, "prompt": shape["prompt"] - 1, "steps": 1}, device, dtype), device, None)
-    for name, make in (("training, a new length each call", training_calls),
-                       ("decode, keys one longer each step", decode_calls)):
+    for backends in (None, WITHOUT_CUDNN):  # the kernels' own start-up, on shapes the timed calls do not use
+        timed(training_inputs({**shape, "lengths": [shape["lengths"][0] + 1]}, device, dtype), device, backends)
+        timed(decode_inputs({**shape, "prompt": shape["prompt"] - 1, "steps": 1}, device, dtype), device, backends)
+    for name, inputs in (("training, a new length each call", training_inputs),
+                         ("decode, keys one longer each step", decode_inputs)):
+        calls = inputs(shape, device, dtype)
         result[name] = {
-            "torch_picks": pick(make, shape, device, dtype),
-            "ms_per_call": timed(make(shape, device, dtype), device, None),
-            "ms_per_call_without_cudnn": timed(make(shape, device, dtype), device, WITHOUT_CUDNN),
+            "torch_picks": picks(calls),
+            "ms_per_call": timed(calls, device, None),
+            "ms_per_call_shapes_seen": timed(calls, device, None),  # the same shapes again: a per-shape cost is gone
+            "ms_per_call_without_cudnn": timed(inputs(shape, device, dtype), device, WITHOUT_CUDNN),
         }
     return result
-
-
-def pick(make, shape: dict, device: str, dtype: torch.dtype) -> str:
-    """The kernel torch's dispatcher picks for that pattern's first call, every kernel allowed."""
-    b, h, g, d = (1, shape["heads"], shape["kv_heads"], shape["dim"])
-    if make is training_calls:
-        n = shape["lengths"][0]
-        q = torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
-        k = torch.randn(b, g, n, d, device=device, dtype=dtype, requires_grad=True)
-        choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)
-    else:
-        length = shape["prompt"]
-        q = torch.randn(shape["batch"], h, 1, d, device=device, dtype=dtype)
-        k = torch.randn(shape["batch"], g, length, d, device=device, dtype=dtype)
-        mask = torch.ones(shape["batch"], 1, 1, length, device=device, dtype=torch.bool)
-        choice = torch._fused_sdp_choice(q, k, k, attn_mask=mask, enable_gqa=True)
-    return SDPBackend(choice).name
 
 
 def main() -> None:
