@@ -62,8 +62,9 @@ def host_list(values: torch.Tensor) -> list:
     """values.tolist(), read once per forward: every layer gets the same boundaries tensor, and on a GPU each read waits
     for the device to finish all queued work (a synchronisation per layer, which keeps the host from running ahead)."""
     global _last_read
-    if _last_read is not None and _last_read[0]() is values and _last_read[1] == values._version:
-        return _last_read[2]
+    last = _last_read  # one read: another thread may replace it
+    if last is not None and last[0]() is values and last[1] == values._version:
+        return last[2]
     out = values.tolist()
     _last_read = (weakref.ref(values), values._version, out)
     return out
