@@ -9,7 +9,8 @@ says whether generation needs the same treatment. benchmarks/gpu_bench.py runs i
     python benchmarks/attention_probe.py [--dry-run]
 
 Prints one JSON object: per pattern, the kernel torch picks (`torch._fused_sdp_choice`) and milliseconds a call
-(synchronised): with torch's choice on shapes new to it, on the same shapes again, and without cuDNN's kernel. --dry-run: small shapes on the CPU, to check the flow.
+(synchronised): with torch's choice on shapes new to it, on the same shapes again, and without cuDNN's kernel.
+--dry-run: small shapes on the CPU, to check the flow.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+from tuneforge.model.attention import WITHOUT_CUDNN
+
 # a 1.1B Llama's attention (F1B): 32 query heads, 4 key-value heads of 64; lengths of alpaca rows at cutoff 1024
 FULL = {"heads": 32, "kv_heads": 4, "dim": 64, "lengths": [97, 211, 64, 533, 150, 388, 1024, 77, 260, 129, 700, 180],
         "batch": 16, "prompt": 200, "steps": 32}

@@ -4,10 +4,10 @@ transformers maps a safetensors checkpoint whose dtype needs no conversion (priv
 are the file's pages. A page read once stays resident until the whole map goes, which is when the last tensor in
 it goes. Packing a model for generation (packed_linear.py) reads every weight to make a packed copy of it: without
 help the process would then hold the map's pages and the packed copies together, twice the weights (SmolLM2-135M
-in fp32: ~1.7 GiB at the peak against ~1.2 GiB loaded dense). `release(tensor, kept, mappings)` tells the kernel that the
-pages lying wholly inside a weight just replaced are not needed (madvise MADV_DONTNEED). A clean page of a
-file-backed map would be read from the file again if touched; a page written since (an adapter merged in place) would
-be lost, so pages that a kept tensor shares (a head tied to the input embeddings) are never given back.
+in fp32: ~1.7 GiB at the peak against ~1.2 GiB loaded dense). `release(tensor, kept, mappings)` tells the kernel
+that the pages lying wholly inside a weight just replaced are not needed (madvise MADV_DONTNEED). A clean page of a
+file-backed map would be read from the file again if touched; a page written since (an adapter merged in place)
+would be lost, so pages that a kept tensor shares (a head tied to the input embeddings) are never given back.
 Linux only; elsewhere it does nothing.
 """
 

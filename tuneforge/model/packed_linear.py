@@ -135,10 +135,10 @@ def _works() -> bool:
 def _swap_in(model: nn.Module, *, adapters: bool, release: bool = False
              ) -> tuple[list[tuple[nn.Module, str, nn.Module]], int]:
     """Swap the decoder layers' linear layers and the output head for PackedLinear; returns (parent, name, the
-    layer swapped out) of each, and the bytes of mapped pages given back. adapters: a LoRA layer is packed with its adapters merged into the copy; any other
-    adapter layer (and everything inside one) stays as it is. release: the layers swapped out are dropped; each
-    one's dense weight goes as soon as its copy is made, and its pages of a memory-mapped checkpoint that nothing kept
-    shares are given back (mapped_pages.py)."""
+    layer swapped out) of each, and the bytes of mapped pages given back. adapters: a LoRA layer is packed with its
+    adapters merged into the copy; any other adapter layer (and everything inside one) stays as it is. release: the
+    layers swapped out are dropped; each one's dense weight goes as soon as its copy is made, and its pages of a
+    memory-mapped checkpoint that nothing kept shares are given back (mapped_pages.py)."""
     from tuneforge.model.adapters import decoder_layers
 
     why = _why_not(model, adapters=adapters)
