@@ -1,0 +1,169 @@
+"""word_tokens: the tokenizer's own ids and offsets, a word at a time, for the texts it takes; the rest to the tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from tuneforge.data import template, word_tokens
+
+# the pre-tokenizer regexes of Llama 3's and Qwen2's tokenizer.json
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+HARD = [
+    "It's THE cat's toy; IT'S 'S 'll 'D ſ K",
+    "naïve café — “quoted” … ½ 3.14 10,000 1234567 x²",
+    "e\u0301 is not é", "the ﬁ ligature", "Å and Å", "Kelvin K, long ſ",
+    "tabs\tand\r\nnewlines\n\n\n  spaces   \u00a0nbsp \u2003em\u2028line",
+    "emoji 🙂👍🏽 and 中文 mixed, Привет мир, ελληνικά, עברית, العربية",
+    "control \x00\x04\x1c\x1d\x7f characters",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_end|><|im_end|>a<|im_start|>b",
+    "", " ", "\n", "  leading", "trailing  ", "   \n  \n",
+]
+
+
+def _texts(tokenizer, lf_data_dir) -> list[str]:
+    """LlamaFactory's demo rows rendered with the chat template, and their raw JSON, and the hard cases."""
+    texts = list(HARD)
+    for name in ("alpaca_en_demo.json", "alpaca_zh_demo.json", "glaive_toolcall_en_demo.json", "identity.json"):
+        rows = json.loads((lf_data_dir / name).read_text(encoding="utf-8"))[:150]
+        texts += [json.dumps(row, ensure_ascii=False) for row in rows]
+        texts += [tokenizer.apply_chat_template(
+            [{"role": "user", "content": str(row.get("instruction", row))},
+             {"role": "assistant", "content": str(row.get("output", ""))}], tokenize=False) for row in rows]
+    return texts
+
+
+def _tokenizer_call(tokenizer, texts):
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+    return enc["input_ids"], [[tuple(pair) for pair in offsets] for offsets in enc["offset_mapping"]]
+
+
+def _rendered(tokenizer, texts):
+    ids, offsets = template.tokenize_rendered(tokenizer, texts)
+    return ids, [[tuple(pair) for pair in text_offsets] for text_offsets in offsets]
+
+
+def _family(tokenizer, split=None, normalizer=None, ignore_merges=False, post_processor=None):
+    """The built-in vocabulary in another family's pipeline: a Split by the family's regex before a ByteLevel."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    if split is not None:
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    spec["normalizer"] = normalizer
+    spec["model"]["ignore_merges"] = ignore_merges
+    if post_processor is not None:
+        spec["post_processor"] = post_processor
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+
+
+def _assert_as_the_tokenizer(tokenizer, texts, least_taken):
+    words = word_tokens.for_tokenizer(tokenizer)
+    assert words is not None
+    taken = sum(ids is not None for ids in words.encode(texts)[0])
+    assert taken >= least_taken * len(texts), f"took {taken} of {len(texts)} texts"
+    ids, offsets = _rendered(tokenizer, texts)
+    expected_ids, expected_offsets = _tokenizer_call(tokenizer, texts)
+    for n, text in enumerate(texts):
+        assert ids[n] == expected_ids[n], text
+        assert offsets[n] == expected_offsets[n], text
+
+
+def test_the_built_in_tokenizers_ids_and_offsets(tokenizer, lf_data_dir):
+    _assert_as_the_tokenizer(tokenizer, _texts(tokenizer, lf_data_dir), least_taken=0.55)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_llama3_and_qwen2_pipelines(tokenizer, lf_data_dir, family):
+    other = (_family(tokenizer, LLAMA3_SPLIT, ignore_merges=True) if family == "llama3"
+             else _family(tokenizer, QWEN2_SPLIT, normalizer={"type": "NFC"},
+                          post_processor={"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                                          "use_regex": False}))
+    _assert_as_the_tokenizer(other, _texts(tokenizer, lf_data_dir), least_taken=0.55)
+
+
+def test_english_chat_texts_are_taken_chinese_ones_left(tokenizer):
+    words = word_tokens.for_tokenizer(tokenizer)
+    ids, _ = words.encode(["<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", "naïve café", "你好，世界"])
+    assert ids[0] is not None and ids[1] is not None
+    assert ids[2] is None  # long runs of letters that seldom recur: the tokenizer's own call is faster there
+
+
+def test_a_character_the_regex_engines_disagree_on_goes_to_the_tokenizer(tokenizer):
+    """Here the split reads only ASCII letters as letters, so "é" splits where the tokenizer's does not."""
+    backend = tokenizer.backend_tokenizer
+    ascii_letters = r"""'s|'t|'re|'ve|'m|'ll|'d| ?[a-zA-Z]+| ?\p{N}+| ?[^\sa-zA-Z\p{N}]+|\s+(?!\S)|\s+"""
+    words = word_tokens.WordTokens(backend, ascii_letters, nfc=False,
+                                   added=list(backend.get_added_tokens_decoder().values()))
+    ids, offsets = words.encode(["the café opens", "the cafe opens"])
+    assert ids[0] is None and offsets[0] is None
+    assert ids[1] == backend.encode("the cafe opens", add_special_tokens=False).ids
+    assert words._checked["é"] is False and words._checked["a"] is True
+
+
+def test_characters_the_vocabulary_lacks_go_to_the_tokenizer(tokenizer):
+    """The built-in vocabulary has no token for some control bytes: the tokenizer drops them and places the rest."""
+    words = word_tokens.for_tokenizer(tokenizer)
+    ids, _ = words.encode(["a\x04b", "ab"])
+    assert ids[0] is None and ids[1] is not None
+    assert _rendered(tokenizer, ["a\x04b"]) == _tokenizer_call(tokenizer, ["a\x04b"])
+
+
+def test_pipelines_it_does_not_read_go_to_the_tokenizer(tokenizer):
+    trimmed = _family(tokenizer, post_processor={"type": "ByteLevel", "add_prefix_space": False,
+                                                 "trim_offsets": True, "use_regex": True})
+    lowercase = _family(tokenizer, normalizer={"type": "Lowercase"})
+    for other in (trimmed, lowercase):
+        assert word_tokens.for_tokenizer(other) is None
+        text = ["<|im_start|>user\n  Hello There<|im_end|>\n"]
+        assert _rendered(other, text) == _tokenizer_call(other, text)
+
+
+def test_tokens_added_later_are_cut_out(tokenizer):
+    other = _family(tokenizer)
+    before = word_tokens.for_tokenizer(other)
+    other.add_tokens(["<tool_call>"])
+    after = word_tokens.for_tokenizer(other)
+    assert after is not before
+    text = ["call<tool_call>{\"name\": \"f\"}<tool_call>"]
+    assert _rendered(other, text) == _tokenizer_call(other, text)
+    assert other.convert_tokens_to_ids("<tool_call>") in _rendered(other, text)[0][0]
+
+
+def test_the_word_memory_is_bounded(tokenizer, monkeypatch, lf_data_dir):
+    monkeypatch.setattr(word_tokens, "MAX_WORDS", 50)
+    other = _family(tokenizer)  # its own WordTokens, built under the small bound
+    texts = _texts(tokenizer, lf_data_dir)[:200]
+    words = word_tokens.for_tokenizer(other)
+    assert _rendered(other, texts) == _tokenizer_call(other, texts)
+    per_text = max(len(set(words._words(text))) for text in texts)  # a text's words are all kept while it is read
+    assert len(words._ids) <= 50 + len(words._added_ids) + per_text
+    assert len({word for text in texts for word in words._words(text)}) > 4 * (50 + per_text)
+
+
+def test_switched_off_by_the_environment(tokenizer, monkeypatch):
+    monkeypatch.setenv("TUNEFORGE_WORD_TOKENS", "0")
+    assert word_tokens.for_tokenizer(tokenizer) is None
+
+
+def test_tiled_offsets_find_the_same_token_spans():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 6) for _ in range(300)]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    tiled = word_tokens.Tiled(starts)
+    pairs = list(zip(starts, starts[1:], strict=False))
+    assert list(tiled) == pairs and tiled == pairs and len(tiled) == 300 and tiled[-1] == pairs[-1]
+    spans = [(0, 0), (0, starts[-1]), (starts[-1], starts[-1]), (5, 5)]
+    spans += [tuple(sorted(rng.sample(range(starts[-1] + 1), 2))) for _ in range(500)]
+    assert tiled.token_spans(spans) == template.token_spans(pairs, spans)
+    assert word_tokens.Tiled([0]).token_spans([(0, 0), (0, 3)]) == template.token_spans([], [(0, 0), (0, 3)])
