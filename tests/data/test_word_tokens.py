@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from tuneforge.data import template, word_tokens
+from tuneforge.errors import DataError
 
 # the pre-tokenizer regexes of Llama 3's and Qwen2's tokenizer.json
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -23,6 +24,7 @@ HARD = [
     "e\u0301 is not é", "the ﬁ ligature", "Å and Å", "Kelvin K, long ſ",
     "tabs\tand\r\nnewlines\n\n\n  spaces   \u00a0nbsp \u2003em\u2028line",
     "emoji 🙂👍🏽 and 中文 mixed, Привет мир, ελληνικά, עברית, العربية",
+    "emoji 🙂👍🏽 ❤️ 👨‍👩‍👧 🚀🚀 alone", "Привет мир, ελληνικά, שלום עולם, مرحبا بالعالم",
     "control \x00\x04\x1c\x1d\x7f characters",
     "<|im_start|>user\nhi<|im_end|>\n<|im_end|><|im_end|>a<|im_start|>b",
     "", " ", "\n", "  leading", "trailing  ", "   \n  \n",
@@ -92,7 +94,7 @@ def test_llama3_and_qwen2_pipelines(tokenizer, lf_data_dir, family):
 
 def test_english_chat_texts_are_taken_chinese_ones_left(tokenizer):
     words = word_tokens.for_tokenizer(tokenizer)
-    ids, _ = words.encode(["<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", "naïve café", "你好，世界"])
+    ids, _ = words.encode(["<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", "naïve café 🚀", "你好，世界"])
     assert ids[0] is not None and ids[1] is not None
     assert ids[2] is None  # long runs of letters that seldom recur: the tokenizer's own call is faster there
 
@@ -150,8 +152,11 @@ def test_the_word_memory_is_bounded(tokenizer, monkeypatch, lf_data_dir):
 
 
 def test_switched_off_by_the_environment(tokenizer, monkeypatch):
-    monkeypatch.setenv("TUNEFORGE_WORD_TOKENS", "0")
+    monkeypatch.setenv("TUNEFORGE_WORD_TOKENS", "off")
     assert word_tokens.for_tokenizer(tokenizer) is None
+    monkeypatch.setenv("TUNEFORGE_WORD_TOKENS", "sometimes")
+    with pytest.raises(DataError, match="TUNEFORGE_WORD_TOKENS='sometimes' is not on or off"):
+        word_tokens.for_tokenizer(tokenizer)
 
 
 def test_tiled_offsets_find_the_same_token_spans():

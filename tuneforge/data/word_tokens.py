@@ -33,6 +33,9 @@ from typing import Any
 
 import regex
 
+from tuneforge.errors import DataError
+from tuneforge.flags import parse_flag
+
 # The split a ByteLevel pre-tokenizer applies when its use_regex is on (the tokenizers library's byte_level.rs).
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -40,11 +43,12 @@ GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 PROBE_CONTEXTS = ("{}", "a{}", "{}a", "A{}b", "1{}", "{}1", "12{}3", " {}", "{} ", "  {} ", "!{}", "{}!", "\n{}",
                   "{}\n", " {}\n", "\r\n{}", "\t{}", "{}{}", "a{}{}a", "'{}", "{}'s")
 
-# Characters beyond the scripts that put spaces between words (Latin, Greek, Cyrillic, Armenian), punctuation and
-# symbols: Chinese or Thai text splits into long runs of letters that seldom recur, which the tokenizer's own call
-# handles faster than a word at a time here.
-UNSPACED = regex.compile(r"[^\x00-\u058f\u1e00-\u1fff\u2000-\u2bff]")
+# Characters beyond the scripts that put spaces between words (Latin, Greek, Cyrillic, Armenian, Hebrew, Arabic),
+# punctuation, symbols and emoji: Chinese or Thai text splits into long runs of letters that seldom recur, which the
+# tokenizer's own call handles faster than a word at a time here.
+UNSPACED = regex.compile(r"[^\x00-\u06ff\u1e00-\u1fff\u2000-\u2bff\ufe00-\ufe0f\U0001f000-\U0001faff]")
 
+ENV = "TUNEFORGE_WORD_TOKENS"
 MAX_WORDS = 100_000  # remembered words; past it, new words are tokenized each time (as the tokenizers cache does)
 
 _BYTE_CHARS = None  # byte -> the character byte-level BPE writes for it
@@ -66,9 +70,8 @@ def byte_chars() -> list[str]:
 def for_tokenizer(tokenizer: Any) -> WordTokens | None:
     """The WordTokens of a transformers fast tokenizer, or None where its pipeline is not one this module reads."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is None or os.environ.get("TUNEFORGE_WORD_TOKENS", "1") == "0"
-            or getattr(backend, "encode_special_tokens", False)):  # special tokens read as text: the tokenizer's rule
-        return None
+    if backend is None or not _switched_on() or getattr(backend, "encode_special_tokens", False):
+        return None  # (special tokens read as text: the tokenizer's own rule)
     size = backend.get_vocab_size(with_added_tokens=True)
     try:
         kept = _for_tokenizer.get(tokenizer)
@@ -78,6 +81,13 @@ def for_tokenizer(tokenizer: Any) -> WordTokens | None:
         kept = (size, WordTokens.read(backend))
         _for_tokenizer[tokenizer] = kept
     return kept[1]
+
+
+def _switched_on() -> bool:
+    switch = parse_flag(os.environ.get(ENV, "1"))
+    if switch is None:
+        raise DataError(f"{ENV}={os.environ[ENV]!r} is not on or off; use 1 or 0 (true / false, yes / no)")
+    return switch
 
 
 class WordTokens:
