@@ -172,3 +172,27 @@ def test_tiled_offsets_find_the_same_token_spans():
     spans += [tuple(sorted(rng.sample(range(starts[-1] + 1), 2))) for _ in range(500)]
     assert tiled.token_spans(spans) == template.token_spans(pairs, spans)
     assert word_tokens.Tiled([0]).token_spans([(0, 0), (0, 3)]) == template.token_spans([], [(0, 0), (0, 3)])
+
+
+@pytest.mark.parametrize("template_processing", [None, "<|im_start|> $A <|im_end|>"])
+def test_pretraining_documents_with_the_tokenizers_special_tokens(tokenizer, lf_data_dir, template_processing):
+    """The pt encoder's documents: as `tokenizer(texts, add_special_tokens=True)`, the template's tokens around each."""
+    post = None
+    if template_processing:
+        first, body, last = template_processing.split()
+        post = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": first, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                           {"SpecialToken": {"id": last, "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {token: {"id": token, "ids": [tokenizer.convert_tokens_to_ids(token)],
+                                           "tokens": [token]} for token in (first, last)}}
+    other = _family(tokenizer, post_processor=post)
+    documents = (lf_data_dir / "wiki_demo.txt").read_text(encoding="utf-8").splitlines()[:40]
+    documents += [json.loads(line)["text"] for line in
+                  (lf_data_dir / "c4_demo.jsonl").read_text(encoding="utf-8").splitlines()[:40]]
+    documents += HARD
+    got = word_tokens.encode_documents(other, documents)
+    assert got == other(documents, add_special_tokens=True)["input_ids"]
+    if template_processing:
+        assert got[0][0] == 1 and got[0][-1] == 2 and got[documents.index("")] == [1, 2]  # "": the two alone
+    assert sum(ids is not None for ids in word_tokens.for_tokenizer(other).encode(documents)[0]) > 60

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tuneforge.data import formats, template
+from tuneforge.data import formats, template, word_tokens
 from tuneforge.data.formats import BadRow
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
@@ -339,7 +339,7 @@ def encode_pretrain(
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError("stage pt ends every document with the EOS token, but the tokenizer has no eos_token")
-    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    encoded = word_tokens.encode_documents(tokenizer, texts)
     ids = [
         (e if e and e[-1] == eos else e + [eos]) if s == "ok" else []
         for e, s in zip(encoded, status, strict=True)

@@ -83,6 +83,40 @@ def for_tokenizer(tokenizer: Any) -> WordTokens | None:
     return kept[1]
 
 
+def encode_documents(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts, add_special_tokens=True)["input_ids"]` (the pt encoder's documents): the texts WordTokens takes
+    come from there, with the special tokens the tokenizer puts before and after every text."""
+    words = for_tokenizer(tokenizer)
+    affixes = None if words is None else _special_affixes(tokenizer)
+    ids: list = [None] * len(texts) if affixes is None else words.encode(texts, offsets=False)[0]
+    prefix, suffix = affixes or ([], [])
+    rest = [n for n, got in enumerate(ids) if got is None]
+    for n, got in enumerate(ids):
+        if got is not None and (prefix or suffix):
+            ids[n] = prefix + got + suffix
+    if rest:
+        for n, got in zip(rest, tokenizer([texts[n] for n in rest], add_special_tokens=True)["input_ids"], strict=True):
+            ids[n] = got
+    return ids
+
+
+def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]] | None:
+    """The special tokens the tokenizer adds before and after a text, read off two probes; None where they are not
+    the same for both (a post-processor that is not a fixed template)."""
+    found = set()
+    for probe in ("a", "Hello there, 12 words"):
+        full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+        plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+        if at is None:
+            return None
+        found.add((tuple(full[:at]), tuple(full[at + len(plain):])))
+    if len(found) != 1:
+        return None
+    prefix, suffix = found.pop()
+    return list(prefix), list(suffix)
+
+
 def _switched_on() -> bool:
     switch = parse_flag(os.environ.get(ENV, "1"))
     if switch is None:
@@ -127,20 +161,22 @@ class WordTokens:
             return None
         return cls(backend, split, nfc=normalizer is not None, added=added)
 
-    def encode(self, texts: list[str]) -> tuple[list[list[int] | None], list[Sequence[tuple[int, int]] | None]]:
-        """Ids and offsets of each text; None for a text this module leaves to the tokenizer."""
+    def encode(self, texts: list[str], offsets: bool = True
+               ) -> tuple[list[list[int] | None], list[Sequence[tuple[int, int]] | None]]:
+        """Ids and offsets (unless offsets is False) of each text; None for a text this module leaves to the
+        tokenizer."""
         met: set[str] = set()
         for text in texts:
             if not text.isascii() and not UNSPACED.search(text):
                 met.update(text)
         self._check(set(filterfalse(self._checked.__contains__, met)))
-        ids: list = [None] * len(texts)
-        offsets: list = [None] * len(texts)
+        all_ids: list = [None] * len(texts)
+        all_offsets: list = [None] * len(texts)
         for n, text in enumerate(texts):
-            encoded = self._encode(text) if self._takes(text) else None
+            encoded = self._encode(text, offsets) if self._takes(text) else None
             if encoded is not None:
-                ids[n], offsets[n] = encoded
-        return ids, offsets
+                all_ids[n], all_offsets[n] = encoded
+        return all_ids, all_offsets
 
     def _takes(self, text: str) -> bool:
         if text.isascii():
@@ -183,13 +219,15 @@ class WordTokens:
         expected = self.backend.encode(probe, add_special_tokens=False)
         return self._encode(probe) == (expected.ids, expected.offsets)
 
-    def _encode(self, text: str) -> tuple[list[int], Sequence[tuple[int, int]]] | None:
+    def _encode(self, text: str, offsets: bool = True) -> tuple[list[int], Sequence[tuple[int, int]] | None] | None:
         words = self._words(text)
         word_ids = list(map(self._ids.get, words))
         if None in word_ids:
             self._learn(words)
             word_ids = list(map(self._ids.__getitem__, words))
         ids = list(chain.from_iterable(word_ids))
+        if not offsets:
+            return ids, None
         lengths = list(map(self._lengths.__getitem__, words))
         if None in lengths:
             offsets = self._offsets_of(words)
