@@ -49,7 +49,7 @@ PROBE_CONTEXTS = ("{}", "a{}", "{}a", "A{}b", "1{}", "{}1", "12{}3", " {}", "{} 
 UNSPACED = regex.compile(r"[^\x00-\u06ff\u1e00-\u1fff\u2000-\u2bff\ufe00-\ufe0f\U0001f000-\U0001faff]")
 
 ENV = "TUNEFORGE_WORD_TOKENS"
-MAX_WORDS = 100_000  # remembered words; past it, new words are tokenized each time (as the tokenizers cache does)
+MAX_WORDS = 100_000  # words remembered at most; past it the memory starts again (a text's words are kept whole)
 
 _BYTE_CHARS = None  # byte -> the character byte-level BPE writes for it
 _for_tokenizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -88,7 +88,7 @@ def encode_documents(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     come from there, with the special tokens the tokenizer puts before and after every text."""
     words = for_tokenizer(tokenizer)
     affixes = None if words is None else _special_affixes(tokenizer)
-    ids: list = [None] * len(texts) if affixes is None else words.encode(texts, offsets=False)[0]
+    ids: list = [None] * len(texts) if affixes is None else words.encode(texts, with_offsets=False)[0]
     prefix, suffix = affixes or ([], [])
     rest = [n for n, got in enumerate(ids) if got is None]
     for n, got in enumerate(ids):
@@ -161,9 +161,9 @@ class WordTokens:
             return None
         return cls(backend, split, nfc=normalizer is not None, added=added)
 
-    def encode(self, texts: list[str], offsets: bool = True
+    def encode(self, texts: list[str], with_offsets: bool = True
                ) -> tuple[list[list[int] | None], list[Sequence[tuple[int, int]] | None]]:
-        """Ids and offsets (unless offsets is False) of each text; None for a text this module leaves to the
+        """Ids and offsets (None without with_offsets) of each text; None for a text this module leaves to the
         tokenizer."""
         met: set[str] = set()
         for text in texts:
@@ -173,7 +173,7 @@ class WordTokens:
         all_ids: list = [None] * len(texts)
         all_offsets: list = [None] * len(texts)
         for n, text in enumerate(texts):
-            encoded = self._encode(text, offsets) if self._takes(text) else None
+            encoded = self._encode(text, with_offsets) if self._takes(text) else None
             if encoded is not None:
                 all_ids[n], all_offsets[n] = encoded
         return all_ids, all_offsets
@@ -219,14 +219,15 @@ class WordTokens:
         expected = self.backend.encode(probe, add_special_tokens=False)
         return self._encode(probe) == (expected.ids, expected.offsets)
 
-    def _encode(self, text: str, offsets: bool = True) -> tuple[list[int], Sequence[tuple[int, int]] | None] | None:
+    def _encode(self, text: str, with_offsets: bool = True
+                ) -> tuple[list[int], Sequence[tuple[int, int]] | None] | None:
         words = self._words(text)
         word_ids = list(map(self._ids.get, words))
         if None in word_ids:
             self._learn(words)
             word_ids = list(map(self._ids.__getitem__, words))
         ids = list(chain.from_iterable(word_ids))
-        if not offsets:
+        if not with_offsets:
             return ids, None
         lengths = list(map(self._lengths.__getitem__, words))
         if None in lengths:
@@ -352,8 +353,8 @@ class Tiled(Sequence):
         starts, n = self.starts, len(self.starts) - 1
         out = []
         for a, b in spans:
-            first = bisect_right(starts, a, 1, n + 1) - 1  # the tokens that end at or before a (token i ends at starts[i + 1])
-            last = bisect_left(starts, b, first, n)  # the first token that starts at or after b
+            first = bisect_right(starts, a, 1, n + 1) - 1  # how many end at or before a (token i ends at starts[i + 1])
+            last = bisect_left(starts, b, first, n)  # the first that starts at or after b
             out.append((first, max(first, last)))
         return out
 
