@@ -125,7 +125,10 @@ def _switched_on() -> bool:
 
 
 class WordTokens:
-    """Encodes texts as `backend.encode_batch(texts, add_special_tokens=False)` does: ids and character offsets."""
+    """Encodes texts as `backend.encode_batch(texts, add_special_tokens=False)` does: ids and character offsets.
+
+    One per tokenizer and process (for_tokenizer), used from one thread at a time: the encoders' (its memory of
+    words is not guarded against another thread forgetting it in between)."""
 
     def __init__(self, backend: Any, split: str, nfc: bool, added: list[Any]):
         self.backend, self.nfc = backend, nfc
