@@ -22,6 +22,7 @@ Every other text, and every other tokenizer, goes to the tokenizer's own call. `
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import unicodedata
@@ -47,6 +48,8 @@ PROBE_CONTEXTS = ("{}", "a{}", "{}a", "A{}b", "1{}", "{}1", "12{}3", " {}", "{} 
 # punctuation, symbols and emoji: Chinese or Thai text splits into long runs of letters that seldom recur, which the
 # tokenizer's own call handles faster than a word at a time here.
 UNSPACED = regex.compile(r"[^\x00-\u06ff\u1e00-\u1fff\u2000-\u2bff\ufe00-\ufe0f\U0001f000-\U0001faff]")
+
+logger = logging.getLogger(__name__)
 
 ENV = "TUNEFORGE_WORD_TOKENS"
 MAX_WORDS = 100_000  # words remembered at most; past it the memory starts again (a text's words are kept whole)
@@ -80,6 +83,9 @@ def for_tokenizer(tokenizer: Any) -> WordTokens | None:
     if kept is None or kept[0] != size:  # tokens added since: read the pipeline again
         kept = (size, WordTokens.read(backend))
         _for_tokenizer[tokenizer] = kept
+        if kept[1] is not None:
+            logger.info("tokenizing a word at a time, each word's tokens remembered: the tokenizer's own ids and "
+                        "offsets, faster (%s=0 leaves it all to the tokenizer's call)", ENV)
     return kept[1]
 
 
