@@ -2,7 +2,7 @@
 
 import pytest
 
-from tuneforge.flags import env_flag, parse_flag
+from tuneforge.flags import env_flag, env_switch, parse_flag
 
 
 @pytest.mark.parametrize("value", [True, 1, "true", "True", " yes ", "on", "y", "1"])
@@ -25,3 +25,10 @@ def test_environment_switches():
     assert env_flag("USE_RAY", env) and env_flag("HF_HUB_OFFLINE", env)
     assert not env_flag("FORCE_TORCHRUN", env)
     assert not env_flag("ODD", env) and not env_flag("UNSET", env)
+
+
+def test_a_switch_that_is_on_unless_set_off():
+    assert env_switch("UNSET", ValueError, {}) is True
+    assert env_switch("X", ValueError, {"X": "off"}) is False and env_switch("X", ValueError, {"X": "yes"}) is True
+    with pytest.raises(ValueError, match="X='sure' is not on or off; use 1 or 0"):
+        env_switch("X", ValueError, {"X": "sure"})

@@ -28,3 +28,11 @@ def parse_flag(value: Any) -> bool | None:
 def env_flag(name: str, env: Mapping[str, str] = os.environ) -> bool:
     """A switch in the environment (FORCE_TORCHRUN=1, USE_RAY=true, HF_HUB_OFFLINE=1): unset or unreadable is off."""
     return parse_flag(env.get(name, "")) is True
+
+
+def env_switch(name: str, error: type[Exception], env: Mapping[str, str] = os.environ) -> bool:
+    """A switch that is on unless set off (TUNEFORGE_PACKED_LINEAR=0); a value neither on nor off raises error."""
+    switch = parse_flag(env.get(name, "1"))
+    if switch is None:
+        raise error(f"{name}={env[name]!r} is not on or off; use 1 or 0 (true / false, yes / no)")
+    return switch

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import unicodedata
 import weakref
@@ -35,7 +34,7 @@ from typing import Any
 import regex
 
 from tuneforge.errors import DataError
-from tuneforge.flags import parse_flag
+from tuneforge.flags import env_switch
 
 # The split a ByteLevel pre-tokenizer applies when its use_regex is on (the tokenizers library's byte_level.rs).
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -73,7 +72,7 @@ def byte_chars() -> list[str]:
 def for_tokenizer(tokenizer: Any) -> WordTokens | None:
     """The WordTokens of a transformers fast tokenizer, or None where its pipeline is not one this module reads."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not _switched_on() or getattr(backend, "encode_special_tokens", False):
+    if backend is None or not env_switch(ENV, DataError) or getattr(backend, "encode_special_tokens", False):
         return None  # (special tokens read as text: the tokenizer's own rule)
     size = backend.get_vocab_size(with_added_tokens=True)
     try:
@@ -121,13 +120,6 @@ def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]] | None:
         return None
     prefix, suffix = found.pop()
     return list(prefix), list(suffix)
-
-
-def _switched_on() -> bool:
-    switch = parse_flag(os.environ.get(ENV, "1"))
-    if switch is None:
-        raise DataError(f"{ENV}={os.environ[ENV]!r} is not on or off; use 1 or 0 (true / false, yes / no)")
-    return switch
 
 
 class WordTokens:

@@ -27,14 +27,13 @@ import collections
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from tuneforge.errors import ModelError, TuneforgeError
-from tuneforge.flags import parse_flag
+from tuneforge.flags import env_switch
 from tuneforge.model import mapped_pages
 
 logger = logging.getLogger(__name__)
@@ -66,10 +65,7 @@ class PackedLinear(nn.Module):
 def _why_not(model: nn.Module, *, adapters: bool) -> str | None:
     """Why the model's linear layers stay as they are (None: they can be packed). adapters: whether unmerged
     adapters may be merged into the packed copies."""
-    switch = parse_flag(os.environ.get(ENV, "1"))
-    if switch is None:
-        raise TuneforgeError(f"{ENV}={os.environ[ENV]!r} is not on or off; use 1 or 0 (true / false, yes / no)")
-    if not switch:
+    if not env_switch(ENV, TuneforgeError):
         return f"{ENV}=0"
     if hasattr(model, "peft_config") and not adapters:
         return "its adapters are not merged"
