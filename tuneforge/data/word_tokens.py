@@ -166,23 +166,23 @@ class WordTokens:
                ) -> tuple[list[list[int] | None], list[Sequence[tuple[int, int]] | None]]:
         """Ids and offsets (None without with_offsets) of each text; None for a text this module leaves to the
         tokenizer."""
-        met: set[str] = set()
-        for text in texts:
-            if not text.isascii() and not UNSPACED.search(text):
-                met.update(text)
+        # the texts in scripts with spaces between words, searched once; their new characters are probed first
+        spaced = [text.isascii() or not UNSPACED.search(text) for text in texts]
+        met = set().union(*(text for text, ok in zip(texts, spaced, strict=True) if ok and not text.isascii()))
         self._check(set(filterfalse(self._checked.__contains__, met)))
         all_ids: list = [None] * len(texts)
         all_offsets: list = [None] * len(texts)
         for n, text in enumerate(texts):
-            encoded = self._encode(text, with_offsets) if self._takes(text) else None
+            encoded = self._encode(text, with_offsets) if spaced[n] and self._takes(text) else None
             if encoded is not None:
                 all_ids[n], all_offsets[n] = encoded
         return all_ids, all_offsets
 
     def _takes(self, text: str) -> bool:
+        """Whether every character of a text in a spaced script has passed its probes (and NFC leaves it as it is)."""
         if text.isascii():
             return self._ascii_failed is None or not self._ascii_failed.search(text)
-        if UNSPACED.search(text) or (self.nfc and not unicodedata.is_normalized("NFC", text)):
+        if self.nfc and not unicodedata.is_normalized("NFC", text):
             return False
         return all(map(self._checked.__getitem__, set(text)))
 
