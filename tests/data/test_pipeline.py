@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import datasets
 import pytest
 
@@ -186,3 +188,55 @@ def test_tokenizing_processes_are_capped_at_the_cores(monkeypatch):
     assert worker_count(2) == 2 and worker_count(1) is None and worker_count(None) is None
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
     assert worker_count(16) is None  # one core: in this process
+
+
+def test_unset_workers_are_one_process_per_2000_rows_at_most_one_per_core(monkeypatch):
+    from tuneforge.data.pipeline import worker_count
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert worker_count(None, 3_999) is None  # one process: this one
+    assert worker_count(None, 4_000) == 2 and worker_count(None, 6_000) == 3
+    assert worker_count(None, 1_000_000) == 4
+    assert worker_count(1, 1_000_000) is None and worker_count(3, 10) == 3  # a setting wins
+
+
+def test_more_processes_after_a_run_in_one_still_share_the_rows(
+    tokenizer, home, two_datasets, make_cfg, monkeypatch, tmp_path
+):
+    # datasets splits a map into as many shards as an earlier map with the same fingerprint left cache files
+    from tuneforge.data import template
+
+    pids, real = tmp_path / "pids", template.tokenize_rendered
+
+    def noted(tokenizer, texts):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(tokenizer, texts)
+
+    monkeypatch.setattr(template, "tokenize_rendered", noted)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    keys = {"dataset": "large", "preprocessing_batch_size": 2}
+    build(make_cfg(two_datasets, preprocessing_num_workers=1, **keys), tokenizer)
+    assert len(set(pids.read_text().split())) == 1
+    pids.unlink()
+    build(make_cfg(two_datasets, preprocessing_num_workers=2, overwrite_cache=True, **keys), tokenizer)
+    assert len(set(pids.read_text().split())) == 2
+
+
+def test_unset_workers_split_a_large_dataset_with_the_same_result(
+    tokenizer, home, two_datasets, make_cfg, monkeypatch, caplog
+):
+    keys = {"dataset": "small,large", "packing": True, "cutoff_len": 64}
+    one = build(make_cfg(two_datasets, preprocessing_num_workers=1, **keys), tokenizer)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("tuneforge.data.pipeline.AUTO_ROWS_PER_WORKER", 4)
+    with caplog.at_level("INFO", logger="tuneforge.data.pipeline"):
+        auto = build(make_cfg(two_datasets, overwrite_cache=True, **keys), tokenizer)
+    assert auto.stats["cache_hit"] is False
+    assert [dict(r) for r in auto.train] == [dict(r) for r in one.train]
+    said = [r.getMessage() for r in caplog.records if "preprocessing_num_workers unset" in r.getMessage()]
+    # small (4 rows) is encoded here; large (8 rows) and the 12 samples to pack in two processes
+    assert said == ["encoding large: 8 rows in 2 processes (preprocessing_num_workers unset: one per 4 rows, at most "
+                    "one per core)",
+                    "packing train: 12 rows in 2 processes (preprocessing_num_workers unset: one per 4 rows, at most "
+                    "one per core)"]

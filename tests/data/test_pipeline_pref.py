@@ -105,6 +105,19 @@ def test_kl_pairs_follow_the_encoding_batches_and_the_cache_key_knows(tokenizer,
     assert one_batch.train["kl_input_ids"][3] != kl[3]
 
 
+def test_kl_pairs_stay_in_one_process_where_workers_are_unset(tokenizer, home, make_cfg, monkeypatch):
+    # the pairs follow each process's share of the rows, so the cores of the machine must not choose them
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("tuneforge.data.pipeline.AUTO_ROWS_PER_WORKER", 2)
+    keys = {"dataset": "kto_demo", "stage": "kto", "max_samples": 8}
+    one = build(make_cfg(REPO_DATA, preprocessing_num_workers=1, **keys), tokenizer)
+    unset = build(make_cfg(REPO_DATA, overwrite_cache=True, **keys), tokenizer)
+    assert unset.stats["cache_hit"] is False
+    assert unset.train["kl_input_ids"][:] == one.train["kl_input_ids"][:]
+    two = build(make_cfg(REPO_DATA, preprocessing_num_workers=2, **keys), tokenizer)
+    assert two.train["kl_input_ids"][:] != one.train["kl_input_ids"][:]  # two processes pair within halves
+
+
 def test_the_collator_takes_built_rows(tokenizer, home, make_cfg):
     splits = build(make_cfg(REPO_DATA, dataset="dpo_demo", stage="dpo", max_samples=4), tokenizer)
     rows = [splits.train[i] for i in range(3)]

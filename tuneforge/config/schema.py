@@ -183,7 +183,8 @@ class DataArgs:
     interleave_probs: list[float] | None = opt(help="sampling probabilities for interleave strategies")
     tokenized_path: str | None = opt(help="save tokenized data here, or load it from here if it exists")
     overwrite_cache: bool = opt(False, help="re-tokenize even if a cached copy exists")
-    preprocessing_num_workers: int | None = opt(help="processes for tokenization")
+    preprocessing_num_workers: int | None = opt(
+        help="processes for tokenization (unset: one per 2,000 rows, at most one per core)")
     preprocessing_batch_size: int = opt(1000, help="rows per tokenization batch")
     streaming: bool = opt(False, help="read, shuffle, tokenize and pack the training data while training (local "
                                       "files; needs max_steps), for corpora that do not fit on disk or in memory")

@@ -36,12 +36,22 @@ class DataSplits:
     processor: Any = None  # the processor a vision- / audio-language model's rows were rendered with
 
 
-def worker_count(requested: int | None) -> int | None:
-    """preprocessing_num_workers, at most one process per CPU this process may use (more only share the cores,
-    each with its own copy of the tokenizer); None or 1: tokenize in this process."""
-    if requested is None or requested <= 1:
-        return None
+# Rows per tokenizing process when preprocessing_num_workers is unset: a process's start, its copy of the tokenizer
+# and its own memory of words cost ~0.4 s on a 2-core machine, ~800 rows of sft work (docs/performance.md,
+# "Processes by default").
+AUTO_ROWS_PER_WORKER = 2_000
+
+
+def worker_count(requested: int | None, rows: int | None = None) -> int | None:
+    """The processes that tokenize `rows` rows: preprocessing_num_workers, or where it is unset one per
+    AUTO_ROWS_PER_WORKER rows; at most one per CPU this process may use (more only share the cores, each with its
+    own copy of the tokenizer). None (one process or fewer): tokenize in this process."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested is None:
+        auto = min(cores, (rows or 0) // AUTO_ROWS_PER_WORKER)
+        return auto if auto > 1 else None
+    if requested <= 1:
+        return None
     if requested > cores:
         logger.info("preprocessing_num_workers %d: %d CPU core(s) here, so %d processes", requested, cores, cores)
     return min(requested, cores) if cores > 1 else None
@@ -94,6 +104,17 @@ class _Plan:
         self.workers = worker_count(d.preprocessing_num_workers)
         self.key = self._key()
 
+    def processes(self, rows: int, what: str) -> int | None:
+        """The processes for a map over `rows` rows: preprocessing_num_workers as set, or chosen from the rows
+        where it is unset, except for an encoder whose result depends on how the rows are split into batches."""
+        if self.cfg.data.preprocessing_num_workers is not None or self.encoder.batch_dependent:
+            return self.workers
+        workers = worker_count(None, rows)
+        if workers:
+            logger.info("%s: %d rows in %d processes (preprocessing_num_workers unset: one per %d rows, at most "
+                        "one per core)", what, rows, workers, AUTO_ROWS_PER_WORKER)
+        return workers
+
     def _check_media(self, spec: Any) -> None:
         """Media in the data need a model that reads them and an encoder that renders them; before tokenizing."""
         for attr in self.train_attrs + self.eval_attrs:
@@ -142,9 +163,12 @@ class _Plan:
         formats.check_columns(attr, column_names, self.stage, documents=self.encoder.documents,
                               needs_response=self.encoder.needs_response, prompts=self.encoder.samples_completions)
 
-    def fingerprint(self, *parts: str) -> str:
-        """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer)."""
-        return hashlib.sha256("/".join((self.key,) + parts).encode()).hexdigest()[:32]
+    def fingerprint(self, *parts: str, processes: int | None = None) -> str:
+        """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer). A map's names
+        its processes: datasets splits a map into as many shards as an earlier map with its fingerprint left cache
+        files, so after a run in one process every later run would be one process whatever num_proc said."""
+        count = () if processes is None else (f"{processes} processes",)
+        return hashlib.sha256("/".join((self.key,) + parts + count).encode()).hexdigest()[:32]
 
 
 def _local_media(raw: Any, attr: DatasetAttr, settings: media.MediaSettings) -> set[Path]:
@@ -191,16 +215,17 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         fn_kwargs.update(processor=plan.processor, media_settings=plan.media)
         for prefix in plan.encoder.sequences:
             features[f"{prefix}{multimodal.MEDIA_COLUMN}"] = multimodal.media_feature()
+    processes = plan.processes(len(raw), f"encoding {attr.name}")
     encoded = raw.map(
         plan.encoder.function,
         batched=True,
         with_indices=True,
         batch_size=d.preprocessing_batch_size,
-        num_proc=plan.workers,
+        num_proc=processes,
         remove_columns=raw.column_names,
         fn_kwargs=fn_kwargs,
         features=features,
-        new_fingerprint=plan.fingerprint(attr.name, "encode"),
+        new_fingerprint=plan.fingerprint(attr.name, "encode", processes=processes or 1),
         load_from_cache_file=False,
         desc=f"encoding {attr.name}",
     )
@@ -288,19 +313,18 @@ def _split_eval(plan: _Plan, train: Any) -> tuple[Any, Any]:
 
 def _rows(plan: _Plan, samples: Any, split: str) -> Any:
     """Samples -> training rows: documents (pt) are chunked into rows; samples are packed when packing is on."""
-    if samples is None:
-        return None
+    if samples is None or not (plan.encoder.documents or plan.packing):
+        return samples
     d = plan.cfg.data
+    processes = plan.processes(len(samples), f"{'chunking' if plan.encoder.documents else 'packing'} {split}")
     kw = {
-        "num_proc": plan.workers,
+        "num_proc": processes,
         "batch_size": d.preprocessing_batch_size,
-        "fingerprint": plan.fingerprint(split, "rows"),
+        "fingerprint": plan.fingerprint(split, "rows", processes=processes or 1),
     }
     if plan.encoder.documents:
         return packing.chunk_documents(samples, d.cutoff_len, packed=plan.packing, **kw)
-    if plan.packing:
-        return packing.pack_samples(samples, d.cutoff_len, **kw)
-    return samples
+    return packing.pack_samples(samples, d.cutoff_len, **kw)
 
 
 def _token_counts(ds: Any, prefixes: tuple[str, ...]) -> dict[str, int]:
