@@ -256,3 +256,14 @@ def test_llamafactorys_template_name_for_the_family_uses_the_processors_own(home
     assert named == reference(processor, rows[0], root)["input_ids"][0].tolist()
     with pytest.raises(DataError, match="is a text template"):
         built(make_cfg, processor, root, template="alpaca", overwrite_cache=True)
+
+
+def test_media_rows_built_in_two_processes_are_the_ones_built_in_one(home, make_cfg, processor, mm_data, monkeypatch):
+    root, rows = mm_data
+    write(root, rows)
+    one = built(make_cfg, processor, root, preprocessing_num_workers=1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("tuneforge.data.pipeline.AUTO_ROWS_PER_WORKER", 2)  # unset: 6 rows, two processes
+    two = built(make_cfg, processor, root, overwrite_cache=True)
+    assert two.stats["cache_hit"] is False
+    assert [dict(r) for r in two.train] == [dict(r) for r in one.train]
