@@ -200,6 +200,22 @@ def test_unset_workers_are_one_process_per_2000_rows_at_most_one_per_core(monkey
     assert worker_count(1, 1_000_000) is None and worker_count(3, 10) == 3  # a setting wins
 
 
+def test_a_build_leaves_only_the_source_data_in_datasets_cache(tokenizer, home, two_datasets, make_cfg):
+    # the rows are kept in tuneforge's cache: each step's files go to a scratch folder removed after the build
+    from pathlib import Path
+
+    from tuneforge.data import registry
+
+    cfg = make_cfg(two_datasets, dataset="small,large", packing=True, cutoff_len=64, val_size=2,
+                   preprocessing_num_workers=2)
+    built = build(cfg, tokenizer)
+    assert built.stats["cache_hit"] is False and len(built.eval) == 2
+    for attr in registry.get_dataset_attrs(cfg.data.dataset, cfg.data.dataset_dir):
+        folder = Path(registry.load_raw(attr, cfg.data.dataset_dir).cache_files[0]["filename"]).parent
+        assert sorted(p.name for p in folder.glob("cache-*")) == []
+    assert [p.name for p in (home / "datasets").iterdir() if p.name.startswith(".")] == []
+
+
 def test_more_processes_after_a_run_in_one_still_share_the_rows(
     tokenizer, home, two_datasets, make_cfg, monkeypatch, tmp_path
 ):

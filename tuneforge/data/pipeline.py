@@ -7,13 +7,17 @@ the preference stages never do, their objectives compare whole sequences.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +107,7 @@ class _Plan:
         self.media_files: set[Path] = set()  # filled while encoding: the cache checks them on each hit
         self.workers = worker_count(d.preprocessing_num_workers)
         self.key = self._key()
+        self.scratch: Path | None = None  # the build's scratch folder (build: _scratch_folder)
 
     def processes(self, rows: int, what: str) -> int | None:
         """The processes for a map over `rows` rows: preprocessing_num_workers as set, or chosen from the rows
@@ -163,12 +168,14 @@ class _Plan:
         formats.check_columns(attr, column_names, self.stage, documents=self.encoder.documents,
                               needs_response=self.encoder.needs_response, prompts=self.encoder.samples_completions)
 
-    def fingerprint(self, *parts: str, processes: int | None = None) -> str:
-        """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer). A map's names
-        its processes: datasets splits a map into as many shards as an earlier map with its fingerprint left cache
-        files, so after a run in one process every later run would be one process whatever num_proc said."""
-        count = () if processes is None else (f"{processes} processes",)
-        return hashlib.sha256("/".join((self.key,) + parts + count).encode()).hexdigest()[:32]
+    def fingerprint(self, *parts: str) -> str:
+        """A datasets fingerprint for one step (so datasets need not hash our functions and tokenizer)."""
+        return hashlib.sha256("/".join((self.key,) + parts).encode()).hexdigest()[:32]
+
+    def scratch_file(self, *parts: str) -> str | None:
+        """Where a step that reads the source data writes its result: in this build's scratch folder (every later
+        step's files go beside its source's, so there too); None outside a build (datasets' own cache)."""
+        return None if self.scratch is None else str(self.scratch / f"{self.fingerprint(*parts)}.arrow")
 
 
 def _local_media(raw: Any, attr: DatasetAttr, settings: media.MediaSettings) -> set[Path]:
@@ -199,7 +206,7 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
     row_numbers = None
     if attr.num_samples:
         row_numbers = _sample_indices(len(raw), attr.num_samples, plan.cfg.train.seed)
-        raw = raw.select(row_numbers)
+        raw = raw.select(row_numbers, indices_cache_file_name=plan.scratch_file(attr.name, "sample"))
     if d.max_samples and len(raw) > d.max_samples:
         raw = raw.select(range(d.max_samples))
     fn_kwargs: dict[str, Any] = {
@@ -225,7 +232,8 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
         remove_columns=raw.column_names,
         fn_kwargs=fn_kwargs,
         features=features,
-        new_fingerprint=plan.fingerprint(attr.name, "encode", processes=processes or 1),
+        new_fingerprint=plan.fingerprint(attr.name, "encode"),
+        cache_file_name=plan.scratch_file(attr.name, "encode"),
         load_from_cache_file=False,
         desc=f"encoding {attr.name}",
     )
@@ -320,7 +328,7 @@ def _rows(plan: _Plan, samples: Any, split: str) -> Any:
     kw = {
         "num_proc": processes,
         "batch_size": d.preprocessing_batch_size,
-        "fingerprint": plan.fingerprint(split, "rows", processes=processes or 1),
+        "fingerprint": plan.fingerprint(split, "rows"),
     }
     if plan.encoder.documents:
         return packing.chunk_documents(samples, d.cutoff_len, packed=plan.packing, **kw)
@@ -397,6 +405,21 @@ def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     return {k: v for k, v in splits.items() if v is not None}, stats
 
 
+@contextlib.contextmanager
+def _scratch_folder(entry: Path) -> Iterator[Path]:
+    """A folder beside the cache entry for the files of one build's steps, removed after it. The rows are kept in
+    tuneforge's cache; datasets would keep each step's result in its own cache too, beside the source data, never
+    read again (load_from_cache_file is off) and growing with every build. A fresh folder also keeps datasets from
+    splitting a map into as many shards as an earlier map with its fingerprint left files there: after a build in
+    one process, every later one ran in one process whatever num_proc said."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f".{entry.name}.scratch-", dir=entry.parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _load(path: Path, *, cache_hit: bool) -> DataSplits:
     train, evaluation, stats = cache.load_splits(path, cache_hit=cache_hit)
     return DataSplits(train=train, eval=evaluation, stats=stats)
@@ -442,9 +465,11 @@ def build(cfg: Any, tokenizer: Any, processor: Any = None, *, media_packing: str
             ", ".join(a.name for a in plan.train_attrs + plan.eval_attrs),
             plan.stage,
         )
-        built, stats = _build_fresh(plan)
-        cache.save_splits(built, stats, entry, replace=d.overwrite_cache or bool(changed),
-                          media_files=sorted(plan.media_files))
+        with _scratch_folder(entry) as scratch:
+            plan.scratch = scratch
+            built, stats = _build_fresh(plan)
+            cache.save_splits(built, stats, entry, replace=d.overwrite_cache or bool(changed),
+                              media_files=sorted(plan.media_files))
         splits = _load(entry, cache_hit=False)
     if d.streaming:  # the training figures are unknown until the stream is read
         splits.train, splits.stats["streaming"] = _streamed_rows(plan), True
