@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import datasets
 import pytest
@@ -202,8 +203,6 @@ def test_unset_workers_are_one_process_per_2000_rows_at_most_one_per_core(monkey
 
 def test_a_build_leaves_only_the_source_data_in_datasets_cache(tokenizer, home, two_datasets, make_cfg):
     # the rows are kept in tuneforge's cache: each step's files go to a scratch folder removed after the build
-    from pathlib import Path
-
     from tuneforge.data import registry
 
     cfg = make_cfg(two_datasets, dataset="small,large", packing=True, cutoff_len=64, val_size=2,
@@ -214,6 +213,14 @@ def test_a_build_leaves_only_the_source_data_in_datasets_cache(tokenizer, home, 
         folder = Path(registry.load_raw(attr, cfg.data.dataset_dir).cache_files[0]["filename"]).parent
         assert sorted(p.name for p in folder.glob("cache-*")) == []
     assert [p.name for p in (home / "datasets").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_killed_builds_scratch_folder_goes_with_the_next_build(tokenizer, home, two_datasets, make_cfg):
+    entry = Path(build(make_cfg(two_datasets, dataset="small"), tokenizer).stats["cache_dir"])
+    stale = entry.parent / f".{entry.name}.scratch.partial-999999999-x"  # a PID no process has
+    stale.mkdir()
+    build(make_cfg(two_datasets, dataset="small", overwrite_cache=True), tokenizer)
+    assert not stale.exists()
 
 
 def test_more_processes_after_a_run_in_one_still_share_the_rows(

@@ -15,13 +15,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuneforge.atomic import partial_folder
 from tuneforge.config.rl import resolved_rl
 from tuneforge.data import cache, encode, formats, media, multimodal, packing, registry, streaming, template
 from tuneforge.data.encoders import get_encoder
@@ -411,9 +411,9 @@ def _scratch_folder(entry: Path) -> Iterator[Path]:
     tuneforge's cache; datasets would keep each step's result in its own cache too, beside the source data, never
     read again (load_from_cache_file is off) and growing with every build. A fresh folder also keeps datasets from
     splitting a map into as many shards as an earlier map with its fingerprint left files there: after a build in
-    one process, every later one ran in one process whatever num_proc said."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=f".{entry.name}.scratch-", dir=entry.parent))
+    one process, every later one ran in one process whatever num_proc said. A killed build's folder is removed by
+    the next build of the same entry (atomic.partial_folder)."""
+    path = partial_folder(entry.with_name(f"{entry.name}.scratch"))
     try:
         yield path
     finally:
