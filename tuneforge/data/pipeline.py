@@ -107,7 +107,7 @@ class _Plan:
         self.media_files: set[Path] = set()  # filled while encoding: the cache checks them on each hit
         self.workers = worker_count(d.preprocessing_num_workers)
         self.key = self._key()
-        self.scratch: Path | None = None  # the build's scratch folder (build: _scratch_folder)
+        self.scratch: Path | None = None  # the scratch folder of the build running (_scratch_folder)
 
     def processes(self, rows: int, what: str) -> int | None:
         """The processes for a map over `rows` rows: preprocessing_num_workers as set, or chosen from the rows
@@ -406,18 +406,19 @@ def _build_fresh(plan: _Plan) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _scratch_folder(entry: Path) -> Iterator[Path]:
+def _scratch_folder(plan: _Plan, entry: Path) -> Iterator[None]:
     """A folder beside the cache entry for the files of one build's steps, removed after it. The rows are kept in
     tuneforge's cache; datasets would keep each step's result in its own cache too, beside the source data, never
     read again (load_from_cache_file is off) and growing with every build. A fresh folder also keeps datasets from
     splitting a map into as many shards as an earlier map with its fingerprint left files there: after a build in
     one process, every later one ran in one process whatever num_proc said. A killed build's folder is removed by
-    the next build of the same entry (atomic.partial_folder)."""
-    path = partial_folder(entry.with_name(f"{entry.name}.scratch"))
+    the next build of the same entry (atomic.partial_folder). plan.scratch names it while the build runs."""
+    plan.scratch = partial_folder(entry.with_name(f"{entry.name}.scratch"))
     try:
-        yield path
+        yield
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(plan.scratch, ignore_errors=True)
+        plan.scratch = None
 
 
 def _load(path: Path, *, cache_hit: bool) -> DataSplits:
@@ -465,8 +466,7 @@ def build(cfg: Any, tokenizer: Any, processor: Any = None, *, media_packing: str
             ", ".join(a.name for a in plan.train_attrs + plan.eval_attrs),
             plan.stage,
         )
-        with _scratch_folder(entry) as scratch:
-            plan.scratch = scratch
+        with _scratch_folder(plan, entry):
             built, stats = _build_fresh(plan)
             cache.save_splits(built, stats, entry, replace=d.overwrite_cache or bool(changed),
                               media_files=sorted(plan.media_files))
