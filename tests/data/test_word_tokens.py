@@ -198,3 +198,27 @@ def test_pretraining_documents_with_the_tokenizers_special_tokens(tokenizer, lf_
         assert got[0][0] == 1 and got[0][-1] == 2
         assert got[documents.index("")] == [1, 2]  # an empty text: the template's two tokens alone
     assert sum(ids is not None for ids in word_tokens.for_tokenizer(other).encode(documents, with_offsets=False)[0]) > 60
+
+
+def _leftmost_longest_split(tokens: list[str], text: str) -> list[str]:
+    """The text cut at the tokens as the tokenizers library cuts it: at each place from the left, the longest token
+    that starts there."""
+    out, start, at = [], 0, 0
+    while at < len(text):
+        found = max((t for t in tokens if text.startswith(t, at)), key=len, default=None)
+        if found is None:
+            at += 1
+            continue
+        out += [text[start:at], found]
+        start = at = at + len(found)
+    return [*out, text[start:]]
+
+
+def test_added_tokens_are_cut_at_the_leftmost_place_longest_first():
+    rng = random.Random(0)
+    tokens = ["<s>", "<s>x", "a", "ab", "abc", "abd", "[b]", "[b][c]", "b]", ".*", "(", "\\"]
+    cut = word_tokens._alternation(tokens)
+    texts = ["".join(rng.choice("ab<>s[]cxd.*(\\ ") for _ in range(rng.randint(0, 30))) for _ in range(3000)]
+    texts += ["<s>x<s>abcab[b][c]", "abdabcx", ".*(\\"]
+    for text in texts:
+        assert cut.split(text) == _leftmost_longest_split(tokens, text), text
