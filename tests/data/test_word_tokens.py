@@ -222,3 +222,5 @@ def test_added_tokens_are_cut_at_the_leftmost_place_longest_first():
     texts += ["<s>x<s>abcab[b][c]", "abdabcx", ".*(\\"]
     for text in texts:
         assert cut.split(text) == _leftmost_longest_split(tokens, text), text
+    long = word_tokens._alternation(["x" * 3000, "ab"])  # a token longer than Python's recursion limit
+    assert long.split("z" + "x" * 3001 + "ab") == ["z", "x" * 3000, "x", "ab", ""]

@@ -399,11 +399,15 @@ def _alternation(tokens: list[str]) -> re.Pattern | None:
         node[""] = {}  # a token ends here
 
     def pattern(node: dict) -> str:
+        run = ""
+        while len(node) == 1 and "" not in node:  # one way on and no token ends here (a long token: no recursion)
+            (c, node), = node.items()
+            run += re.escape(c)
         longer = [re.escape(c) + pattern(child) for c, child in node.items() if c]
         if not longer:
-            return ""
+            return run
         body = longer[0] if len(longer) == 1 else "(?:" + "|".join(longer) + ")"
-        return f"(?:{body})?" if "" in node else body  # greedy: the longest token that ends here wins
+        return run + (f"(?:{body})?" if "" in node else body)  # greedy: the longest token that ends here wins
 
     return re.compile("(" + pattern(trie) + ")")
 
