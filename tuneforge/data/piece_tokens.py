@@ -16,7 +16,7 @@ from collections.abc import Collection
 from itertools import accumulate, pairwise
 from typing import Any
 
-from tuneforge.data.word_tokens import WordTokens, _spec, _untrimmed, in_characters
+from tuneforge.data.word_tokens import WordTokens, _plain_added, _plain_bpe, _spec, _untrimmed, in_characters
 
 SPACE = "▁"
 REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
@@ -49,15 +49,12 @@ class PieceTokens(WordTokens):
     @classmethod
     def read(cls, backend: Any) -> PieceTokens | None:
         """PieceTokens for a tokenizers.Tokenizer whose pipeline this module reads, else None."""
-        model = backend.model
-        if (type(model).__name__ != "BPE" or model.dropout is not None or model.continuing_subword_prefix
-                or model.end_of_word_suffix or model.ignore_merges):
+        if not _plain_bpe(backend.model) or backend.model.ignore_merges:
             return None
         normalizer = _spec(backend.normalizer)
         scheme = _scheme(normalizer, _spec(backend.pre_tokenizer))
         added = list(backend.get_added_tokens_decoder().values())
-        if (scheme is None or not _untrimmed(_spec(backend.post_processor))
-                or not all(t.content and not (t.single_word or t.lstrip or t.rstrip) for t in added)
+        if (scheme is None or not _plain_added(added) or not _untrimmed(_spec(backend.post_processor))
                 or (normalizer is not None and any(t.normalized for t in added))):
             return None
         prepend, split = scheme

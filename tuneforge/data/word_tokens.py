@@ -157,12 +157,9 @@ class WordTokens:
         split = _split_pattern(_spec(backend.pre_tokenizer))
         normalizer = _spec(backend.normalizer)
         model = backend.model
-        plain_bpe = (type(model).__name__ == "BPE" and model.dropout is None and not model.byte_fallback
-                     and not model.continuing_subword_prefix and not model.end_of_word_suffix)
         added = list(backend.get_added_tokens_decoder().values())
-        plain_added = all(t.content and not (t.single_word or t.lstrip or t.rstrip) for t in added)
-        if (split is None or not plain_bpe or not plain_added or not _untrimmed(_spec(backend.post_processor))
-                or normalizer not in (None, {"type": "NFC"})):
+        if (split is None or not _plain_bpe(model) or model.byte_fallback or not _plain_added(added)
+                or not _untrimmed(_spec(backend.post_processor)) or normalizer not in (None, {"type": "NFC"})):
             return None
         return cls(backend, split, nfc=normalizer is not None, added=added)
 
@@ -448,6 +445,17 @@ def _for_ascii(pattern: str) -> re.Pattern | None:
 
 
 _ASCII_CLASSES = {"L": "A-Za-z", "N": "0-9"}
+
+
+def _plain_bpe(model: Any) -> bool:
+    """Whether a tokenizer's model is BPE without dropout or word affixes: its merges alone decide a word's tokens."""
+    return (type(model).__name__ == "BPE" and model.dropout is None and not model.continuing_subword_prefix
+            and not model.end_of_word_suffix)
+
+
+def _plain_added(added: list[Any]) -> bool:
+    """Whether added tokens are matched as written: none empty, none with strip or single-word rules."""
+    return all(t.content and not (t.single_word or t.lstrip or t.rstrip) for t in added)
 
 
 def _spec(component: Any) -> dict | None:
