@@ -123,16 +123,32 @@ def test_the_models_own_template_matches_the_reference(tokenizer):
         assert encoded(tokenizer, chat, ROWS * 2, settings) == reference(tokenizer, chat, ROWS * 2, settings)
 
 
-def test_a_repeated_shape_renders_once_per_conversation(tokenizer, monkeypatch):
-    """The layout path is taken: ten two-turn ChatML rows take one render each, plus the shape's prefix renders."""
+def test_a_repeated_shape_renders_once_per_conversation(bare, monkeypatch):
+    """The layout path is taken: ten two-turn rows of Llama 3's template (which trims contents) take one render
+    each, plus the shape's prefix renders."""
+    calls = []
+    real = template._render
+    monkeypatch.setattr(template, "_render", lambda *a: calls.append(1) or real(*a))
+    chat = template.ChatTemplate("llama3", template.TEMPLATES["llama3"])
+    rows = [row(f"question {i}", f"answer {i}", f"next {i}", f"more {i}") for i in range(10)]
+    encoded(bare, chat, rows, SETTINGS[0])
+    # row 1 renders its 4 prefixes and itself (5); the marked shape 1 + 4; each of the other 9 rows once
+    assert len(calls) == 5 + 5 + 9
+
+
+def test_a_template_that_writes_contents_verbatim_renders_each_shape_once(tokenizer, monkeypatch):
+    """The model's own ChatML template writes contents verbatim: ten rows of one shape render only the shape's
+    marked text and its 4 prefixes; a row with an empty content renders itself and its prefixes."""
     calls = []
     real = template._render
     monkeypatch.setattr(template, "_render", lambda *a: calls.append(1) or real(*a))
     chat = template.resolve_template(None, tokenizer)
     rows = [row(f"question {i}", f"answer {i}", f"next {i}", f"more {i}") for i in range(10)]
-    encoded(tokenizer, chat, rows, SETTINGS[0])
-    # row 1 renders its 4 prefixes and itself (5); the marked shape 1 + 4; each of the other 9 rows once
-    assert len(calls) == 5 + 5 + 9
+    assert encoded(tokenizer, chat, rows, SETTINGS[0]) == reference(tokenizer, chat, rows, SETTINGS[0])
+    assert len(calls) == 5 + 10 * 5  # the reference renders each row and its 4 prefixes
+    calls.clear()
+    encoded(tokenizer, chat, [*rows, row("question", "", "next", "more")], SETTINGS[0])
+    assert len(calls) == 5 + 5
 
 
 PAIR_ATTR = parse_entry("pairs", {"file_name": "pairs.json", "formatting": "sharegpt", "ranking": True,

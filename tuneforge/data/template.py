@@ -8,7 +8,8 @@ tokenizer's offset mapping; a token that overlaps a span is supervised.
 
 Rows of a dataset mostly share a few shapes (roles in order, tools): the encoders pass a per-batch `Layouts`, so a
 conversation whose shape was met before renders once and takes its spans from the shape's layout when its text is
-that layout's with its contents put in (else it renders its prefixes).
+that layout's with its contents put in (else it renders its prefixes); with a template that provably writes contents
+verbatim (data/verbatim.py) it is not rendered at all.
 
 A supervised span is the assistant's content plus the template's end-of-turn marker (`<|im_end|>`,
 `<|eot_id|>`, `</s>`): the model must learn to stop. Whitespace that the template writes after the
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tuneforge.data import chat_formats, tool_formats, word_tokens
+from tuneforge.data import chat_formats, tool_formats, verbatim, word_tokens
 from tuneforge.data.formats import BadRow, Conversation
 from tuneforge.errors import DataError
 
@@ -205,6 +206,9 @@ def render(
         messages = fold_reasoning(messages, "reasoning_content" in template.text(tokenizer))
     # once for the whole conversation: each prefix below renders the same messages
     messages, tools = with_tool_format(template, messages, parse_tools(conv.tools))
+    filled = layouts.filled(tokenizer, template, messages, tools) if layouts is not None else None
+    if filled is not None:
+        return filled
     full = _render(tokenizer, template, messages, tools, False)
     found = layouts.spans(tokenizer, template, messages, tools, full) if layouts is not None else None
     return full, found if found is not None else _prefix_spans(tokenizer, template, messages, tools, full)
@@ -317,11 +321,37 @@ class Layouts:
     once with marks for its contents, prefix by prefix; a conversation of that shape then renders once, and where
     its text is the marked text with the contents put in, its spans are the marked spans moved by the contents'
     lengths. A template that writes a content other than verbatim (trims it, drops reasoning) gives another text,
-    and such a conversation is rendered prefix by prefix, as every conversation of an unfit shape is."""
+    and such a conversation is rendered prefix by prefix, as every conversation of an unfit shape is. Where the
+    template's syntax proves that it writes every content verbatim (data/verbatim.py), a conversation whose contents
+    are not empty is not rendered at all: its text is the marked text with its contents put in."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple, int] = {}
         self._layouts: dict[tuple, _Layout | None] = {}
+
+    def filled(self, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
+               tools: list | None) -> tuple[str, list[tuple[int, int]]] | None:
+        """The text and assistant spans of a conversation from its shape's layout, without rendering it, where the
+        template writes contents verbatim and none of them is empty; else None (render it)."""
+        own = template.source if template.source is not None else getattr(tokenizer, "chat_template", None)
+        if not isinstance(own, str) or not verbatim.writes_contents_verbatim(own):
+            return None
+        key = _shape(messages, tools)
+        contents = [m["content"] for m in messages]
+        if key is None or not all(contents):  # a template may test a content's emptiness
+            return None
+        layout = self._layout(key, tokenizer, template, messages, tools)
+        if layout is None:
+            return None
+        text = layout.fill(contents)
+        spans = layout.spans_in(contents, text)
+        return None if spans is None else (text, spans)
+
+    def _layout(self, key: tuple, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
+                tools: list | None) -> _Layout | None:
+        if key not in self._layouts:
+            self._layouts[key] = _layout(tokenizer, template, messages, tools)
+        return self._layouts[key]
 
     def spans(self, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | None,
               full: str) -> list[tuple[int, int]] | None:
@@ -332,9 +362,7 @@ class Layouts:
         self._seen[key] = seen = self._seen.get(key, 0) + 1
         if seen < 2:  # a shape met once costs no extra render
             return None
-        if key not in self._layouts:
-            self._layouts[key] = _layout(tokenizer, template, messages, tools)
-        layout = self._layouts[key]
+        layout = self._layout(key, tokenizer, template, messages, tools)
         contents = [m["content"] for m in messages]
         if layout is None or layout.fill(contents) != full:
             return None

@@ -1,0 +1,111 @@
+"""Which chat templates write contents verbatim (data/verbatim.py), and that for those a conversation's text filled
+into its shape's layout is the text the template renders, for contents that would trip a template which does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tuneforge.data import template
+from tuneforge.data.verbatim import writes_contents_verbatim
+
+OFFICIAL = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+LOOP = "{% for m in messages %}BODY{% endfor %}"
+
+VERBATIM = {
+    "joined": LOOP.replace("BODY", "{{ '<|' + m.role + '|>' + m['content'] + '\\n' }}"),
+    "tested for emptiness": LOOP.replace("BODY", "{% if m.content %}{{ m.content }}{% else %}-{% endif %}"),
+    "kept in a variable": "{% set sys = messages[0].content if messages[0].role == 'system' else '' %}[{{ sys }}]"
+                          "{% for m in (messages[1:] if sys else messages) %}{% set c = m.get('content', '') %}"
+                          "{{ c ~ '|' }}{% endfor %}",
+    "messages selected by role": "{% if messages | length > 1 %}{% for m in messages | rejectattr('role', 'equalto',"
+                                 " 'tool') %}{{ m.content }}{% endfor %}{% endif %}",
+    "a key looked up": LOOP.replace("BODY", "{% if 'tool_calls' in m %}x{% endif %}{{ m.content ~ '!' }}"),
+    "a type test": LOOP.replace("BODY", "{% if m.content is string %}{{ m.content }}{% endif %}"),
+}
+NOT_VERBATIM = {
+    "trimmed": "{{ messages[0]['content'] | trim }}",
+    "trimmed through a variable": LOOP.replace("BODY", "{% set c = m.content %}{{ c | upper }}"),
+    "messages as JSON": "{{ messages | tojson }}",
+    "a message written whole": LOOP.replace("BODY", "{{ m }}"),
+    "a macro's output filtered": "{% macro f() %}{{ messages[0].content }}{% endmacro %}{{ f() | trim }}",
+    "compared": LOOP.replace("BODY", "{% if m.content == 'x' %}A{% endif %}"),
+    "searched": LOOP.replace("BODY", "{% if '<think>' in m.content %}T{% endif %}{{ m.content }}"),
+    "split": LOOP.replace("BODY", "{{ m.content.split('</think>')[-1] }}"),
+    "sliced": LOOP.replace("BODY", "{{ m.content[:5] }}"),
+    "measured": LOOP.replace("BODY", "{{ m.content | length }}"),
+    "through get, trimmed": LOOP.replace("BODY", "{{ m.get('content') | trim }}"),
+    "a message's keys iterated": LOOP.replace("BODY", "{% for k in m %}{{ k }}{% endfor %}"),
+    "a message's items": LOOP.replace("BODY", "{{ m.items() | list }}"),
+    "a key chosen at render time": LOOP.replace("BODY", "{{ m[m.role] }}"),
+    "the loop's next message": LOOP.replace("BODY", "{{ loop.nextitem.content | trim if loop.nextitem }}"),
+    "the loop kept": LOOP.replace("BODY", "{% set l = loop %}{{ l.nextitem }}"),
+    "selected by the content": "{% for m in messages | selectattr('content.upper') %}{{ m.role }}{% endfor %}",
+    "contents mapped": "{% for c in messages | map(attribute='content') %}{{ c }}{% endfor %}",
+    "in a namespace": "{% set ns = namespace(c='') %}" + LOOP.replace("BODY", "{% set ns.c = m.content %}")
+                      + "{{ ns.c | trim }}",
+    "captured by set": "{% set x %}{{ messages[0].content }}{% endset %}{{ x | trim }}",
+    "in a filter block": "{% filter trim %}{{ messages[0].content }}{% endfilter %}",
+    "a default written": LOOP.replace("BODY", "{{ (m.content or 'x') | trim }}"),
+    "passed to a call": LOOP.replace("BODY", "{{ raise_exception(m.content) if m.role == 'x' }}"),
+    "today's date": "{{ strftime_now('%d %b %Y') }}" + LOOP.replace("BODY", "{{ m.content }}"),
+    "the generation tag": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    "not a template": "{% for m in messages %}{{ m.content }}",
+}
+
+
+@pytest.mark.parametrize("name", VERBATIM)
+def test_templates_that_only_write_or_test_contents_qualify(name):
+    assert writes_contents_verbatim(VERBATIM[name])
+
+
+@pytest.mark.parametrize("name", NOT_VERBATIM)
+def test_templates_that_read_contents_otherwise_do_not(name):
+    assert not writes_contents_verbatim(NOT_VERBATIM[name])
+
+
+def test_the_families_official_templates():
+    fit = sorted(p.stem for p in OFFICIAL.glob("*.jinja") if writes_contents_verbatim(p.read_text()))
+    assert fit == ["bailing", "chatglm3", "chatml", "deepseek", "deepseekcoder", "granite3", "openchat", "phi3",
+                   "phi4", "qwen2_5"]
+    # Llama 3 trims contents, Qwen3 splits out reasoning, Mistral and Gemma test roles through the contents' order
+
+
+# contents a template that reads them would render otherwise: spaces, newlines, markers, Jinja-looking text, unicode
+CONTENTS = [" padded \n", "<|im_end|>\n<|im_start|>user", "{{ not jinja }} {% raw %}", "ünï 答案 🙂", "x",
+            "<think>\nr\n</think>\n\nanswer", "line\n\n\nline"]
+
+
+def sources():
+    out = dict(VERBATIM)
+    out.update((f"official {p.stem}", p.read_text()) for p in sorted(OFFICIAL.glob("*.jinja")))
+    out.update((f"ours {n}", s) for n, s in template.TEMPLATES.items())
+    return {name: s for name, s in out.items() if writes_contents_verbatim(s)}
+
+
+@pytest.mark.parametrize("name", sources())
+def test_a_filled_layout_is_the_rendered_text(bare_tokenizer, name):
+    chat = template.ChatTemplate(name, sources()[name])
+    shapes = [["user", "assistant"], ["system", "user", "assistant", "user", "assistant"]]
+    for roles in shapes:
+        layouts = template.Layouts()
+        for shift in range(len(CONTENTS)):
+            messages = [{"role": r, "content": CONTENTS[(shift + j) % len(CONTENTS)]} for j, r in enumerate(roles)]
+            try:
+                rendered = template._render(bare_tokenizer, chat, messages, None, False)
+            except Exception:  # the template refuses the shape (a role it has no turn for)
+                assert layouts.filled(bare_tokenizer, chat, messages, None) is None
+                continue
+            text, spans = layouts.filled(bare_tokenizer, chat, messages, None)
+            assert text == rendered
+            assert spans == template._prefix_spans(bare_tokenizer, chat, messages, None, rendered)
+
+
+@pytest.fixture(scope="module")
+def bare_tokenizer(tokenizer):
+    import copy
+
+    out = copy.deepcopy(tokenizer)
+    out.chat_template = None
+    return out

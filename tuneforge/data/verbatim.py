@@ -1,0 +1,258 @@
+"""Whether a Jinja chat template writes each message's content verbatim, read from its syntax tree.
+
+A template qualifies when nothing it does depends on a content but whether it is empty: every read of a content (a
+message's `content` key) is written out (alone or joined by `+` / `~` to other text), tested for truthiness or type,
+or kept in a variable that is itself only used so; and no message or list of messages reaches anything that could
+read its content (a filter, a call, the output). Then, for non-empty text contents, the template takes the same
+branches whatever the contents are, and its text is one rendering's text with the contents swapped: template.Layouts
+renders a conversation shape once, with marks for its contents, and fills in each conversation's contents instead of
+rendering it (a fifth of a text dataset's preprocessing).
+
+The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
+and such templates render every conversation, as before. ChatML's family qualifies; templates that trim a content
+(Llama 3), split it (Qwen3's reasoning) or dump messages as JSON do not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jinja2 import Environment, TemplateSyntaxError, nodes
+
+OTHER, CONTENT, MESSAGE, MESSAGES = "other", "content", "message", "messages"
+OUTPUT, TEST, VALUE = "output", "test", "value"  # where an expression's value goes: written, tested, kept or passed
+
+_TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable", "number"})
+_LIST_FILTERS = {"length": OTHER, "count": OTHER, "first": MESSAGE, "last": MESSAGE, "list": MESSAGES,
+                 "reverse": MESSAGES, "selectattr": MESSAGES, "rejectattr": MESSAGES}
+_GLOBAL_CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})  # not strftime_now: the day changes it
+_DICT_METHODS = frozenset(dir(dict))
+
+
+class _Unfit(Exception):
+    """The template may read a content in a way that changes with it."""
+
+
+@functools.lru_cache(maxsize=64)
+def writes_contents_verbatim(source: str) -> bool:
+    """True when the template's text is a function of its messages' roles, the emptiness of their contents and its
+    other inputs, with each content written as it is (see the module's docstring)."""
+    try:
+        tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except TemplateSyntaxError:  # extensions of the tokenizer's own ({% generation %}): not read here
+        return False
+    reader = _Reader(tree)
+    try:
+        for _ in range(8):  # variables take the kinds of what they are set to, which may be set later in the text
+            before = {name: set(kinds) for name, kinds in reader.bound.items()}
+            reader.statements(tree.body, capturing=False)
+            if reader.bound == before:
+                return True
+    except _Unfit:
+        return False
+    return False
+
+
+class _Reader:
+    def __init__(self, tree: nodes.Template) -> None:
+        self.bound: dict[str, set[str]] = {"messages": {MESSAGES}}  # every kind a name is ever set to
+        self.macros = {m.name for m in tree.find_all(nodes.Macro)}
+        self.capturing = False
+
+    def bind(self, target: nodes.Node, kind: str) -> None:
+        if isinstance(target, nodes.Name):
+            self.bound.setdefault(target.name, set()).add(kind)
+        elif isinstance(target, nodes.Tuple) and kind == OTHER:
+            for item in target.items:
+                self.bind(item, OTHER)
+        elif not (isinstance(target, nodes.NSRef) and kind == OTHER):
+            raise _Unfit
+
+    def statements(self, body: list[nodes.Node], capturing: bool) -> None:
+        outer, self.capturing = self.capturing, capturing or self.capturing
+        try:
+            for node in body:
+                self.statement(node)
+        finally:
+            self.capturing = outer
+
+    def statement(self, node: nodes.Node) -> None:
+        if isinstance(node, nodes.Output):
+            for item in node.nodes:
+                if not isinstance(item, nodes.TemplateData) and self.kind(item, OUTPUT) not in (OTHER, CONTENT):
+                    raise _Unfit
+        elif isinstance(node, nodes.If):
+            self.kind(node.test, TEST)
+            for part in (node.body, *([e] for e in node.elif_), node.else_):
+                self.statements(part, False)
+        elif isinstance(node, nodes.For):
+            if node.recursive:
+                raise _Unfit
+            self.bind(node.target, {MESSAGES: MESSAGE, OTHER: OTHER}.get(self.kind(node.iter, VALUE)) or _unfit())
+            if node.test is not None:
+                self.kind(node.test, TEST)
+            self.statements(node.body, False)
+            self.statements(node.else_, False)
+        elif isinstance(node, nodes.Assign):
+            self.bind(node.target, self.kind(node.node, VALUE))
+        elif isinstance(node, (nodes.AssignBlock, nodes.FilterBlock)):  # the text written inside is kept or filtered
+            if node.filter is not None:
+                self.kind(node.filter, VALUE)
+            self.statements(node.body, True)
+            if isinstance(node, nodes.AssignBlock):
+                self.bind(node.target, OTHER)
+        elif isinstance(node, nodes.Macro):  # what a macro writes is a value its caller may change
+            for arg in node.args:
+                self.bind(arg, OTHER)
+            for default in node.defaults:
+                self.expect_other(default)
+            self.statements(node.body, True)
+        elif isinstance(node, nodes.CallBlock):
+            self.expect_other(node.call)
+            self.statements(node.body, True)
+        elif isinstance(node, nodes.With):
+            for target, value in zip(node.targets, node.values, strict=True):
+                self.bind(target, self.kind(value, VALUE))
+            self.statements(node.body, False)
+        elif isinstance(node, nodes.Scope):
+            self.statements(node.body, False)
+        elif not isinstance(node, (nodes.Break, nodes.Continue)):  # includes, imports, blocks, autoescape
+            raise _Unfit
+
+    def expect_other(self, node: nodes.Node | None) -> None:
+        if node is not None and self.kind(node, VALUE) != OTHER:
+            raise _Unfit
+
+    def kind(self, node: nodes.Node, where: str) -> str:
+        """The kind of value the expression gives (OTHER, CONTENT, MESSAGE, MESSAGES), where it goes being `where`;
+        _Unfit when the value may depend on a content other than by being written or tested."""
+        kind = self._kind(node, where)
+        if kind == CONTENT and self.capturing or kind in (MESSAGE, MESSAGES) and where == OUTPUT:
+            raise _Unfit
+        return kind
+
+    def _kind(self, node: nodes.Node, where: str) -> str:
+        if isinstance(node, (nodes.Const, nodes.TemplateData)):
+            return OTHER
+        if isinstance(node, nodes.Name):
+            if node.name == "loop":  # its previtem / nextitem may be messages: only its other fields are read
+                raise _Unfit
+            kinds = self.bound.get(node.name, {OTHER}) - {OTHER}
+            if len(kinds) > 1:
+                raise _Unfit
+            return kinds.pop() if kinds else OTHER
+        if isinstance(node, (nodes.Getattr, nodes.Getitem)):
+            return self.item(node)
+        if isinstance(node, (nodes.Add, nodes.Concat)):  # joined text: a content inside it is written as it is
+            parts = [node.left, node.right] if isinstance(node, nodes.Add) else node.nodes
+            kinds = {self.kind(part, OUTPUT if where == OUTPUT else VALUE) for part in parts}
+            if kinds - {OTHER, CONTENT}:
+                raise _Unfit
+            return CONTENT if CONTENT in kinds else OTHER
+        if isinstance(node, nodes.Not):
+            self.kind(node.node, TEST)
+            return OTHER
+        if isinstance(node, (nodes.And, nodes.Or)):  # one of the two, chosen by the left one's truthiness
+            return self.either([node.left, node.right], where)
+        if isinstance(node, nodes.CondExpr):
+            self.kind(node.test, TEST)
+            return self.either([node.expr1, node.expr2], where)
+        if isinstance(node, nodes.Test):
+            kind = self.kind(node.node, VALUE)
+            if kind != OTHER and node.name not in _TYPE_TESTS:
+                raise _Unfit
+            self.arguments(node)
+            return OTHER
+        if isinstance(node, nodes.Filter):
+            return self.filtered(node)
+        if isinstance(node, nodes.Call):
+            return self.call(node)
+        if isinstance(node, nodes.Compare):
+            return self.compared(node)
+        if isinstance(node, (nodes.BinExpr, nodes.UnaryExpr, nodes.Tuple, nodes.List, nodes.Dict, nodes.Pair,
+                             nodes.Slice)):  # arithmetic, literals and slices: of plain values only
+            for child in node.iter_child_nodes():
+                self.expect_other(child)
+            return OTHER
+        raise _Unfit  # context references, markup, extension nodes
+
+    def either(self, parts: list[nodes.Node | None], where: str) -> str:
+        kinds = {self.kind(part, where) for part in parts if part is not None} - {OTHER}
+        if len(kinds) > 1:
+            raise _Unfit
+        return kinds.pop() if kinds else OTHER
+
+    def item(self, node: nodes.Getattr | nodes.Getitem) -> str:
+        """`x.key` / `x[key]`: a message's content, a message of a list, or a plain value."""
+        key = node.attr if isinstance(node, nodes.Getattr) else node.arg.value if isinstance(node.arg, nodes.Const) \
+            else node.arg
+        if isinstance(node.node, nodes.Name) and node.node.name == "loop":
+            if not isinstance(key, str) or key in ("previtem", "nextitem"):
+                raise _Unfit
+            return OTHER
+        of = self.kind(node.node, VALUE)
+        if of == MESSAGES and isinstance(node, nodes.Getitem) and not isinstance(key, str):
+            if isinstance(key, nodes.Slice):
+                self.kind(key, VALUE)
+                return MESSAGES
+            if isinstance(key, nodes.Node):
+                self.expect_other(key)
+            return MESSAGE
+        if of == MESSAGE and isinstance(key, str) and key not in _DICT_METHODS:
+            return CONTENT if key == "content" else OTHER
+        if of == OTHER:
+            if isinstance(key, nodes.Node):
+                self.expect_other(key)
+            return OTHER
+        raise _Unfit  # a content's characters or methods, a message's methods, a key not known before rendering
+
+    def filtered(self, node: nodes.Filter) -> str:
+        of = self.kind(node.node, VALUE) if node.node is not None else OTHER
+        self.arguments(node)
+        if of == MESSAGES and node.name in _LIST_FILTERS:
+            if node.name in ("selectattr", "rejectattr") and not (node.args and _plain_key(node.args[0])):
+                raise _Unfit  # selected by a key known before rendering, not by the content
+            return _LIST_FILTERS[node.name]
+        if of != OTHER or node.name == "random":
+            raise _Unfit
+        return OTHER
+
+    def call(self, node: nodes.Call) -> str:
+        func = node.node
+        if isinstance(func, nodes.Getattr) and func.attr == "get" and self.kind(func.node, VALUE) == MESSAGE:
+            if 1 <= len(node.args) <= 2 and not node.kwargs and isinstance(node.args[0], nodes.Const):
+                self.arguments(node)  # the default (every message has a content)
+                key = node.args[0].value
+                return CONTENT if key == "content" else OTHER if isinstance(key, str) else _unfit()
+            raise _Unfit
+        if isinstance(func, nodes.Name):
+            if func.name not in self.macros and func.name not in _GLOBAL_CALLS and func.name != "caller":
+                raise _Unfit  # strftime_now, lipsum, names the template does not define
+        else:
+            self.expect_other(func)
+        self.arguments(node)
+        return OTHER
+
+    def arguments(self, node: nodes.Call | nodes.Filter | nodes.Test) -> None:
+        for arg in (*node.args, *(k.value for k in node.kwargs), node.dyn_args, node.dyn_kwargs):
+            self.expect_other(arg)
+
+    def compared(self, node: nodes.Compare) -> str:
+        left = self.kind(node.expr, VALUE)
+        for operand in node.ops:
+            right = self.kind(operand.expr, VALUE)
+            key_in_message = operand.op in ("in", "notin") and left == OTHER and right == MESSAGE
+            if not key_in_message and (left, right) != (OTHER, OTHER):
+                raise _Unfit
+            left = right
+        return OTHER
+
+
+def _plain_key(node: nodes.Node) -> bool:
+    """A constant key other than the content (no dotted path into it)."""
+    return isinstance(node, nodes.Const) and isinstance(node.value, str) and "." not in node.value \
+        and node.value != "content"
+
+
+def _unfit() -> str:
+    raise _Unfit
