@@ -23,6 +23,10 @@ VERBATIM = {
                                  " 'tool') %}{{ m.content }}{% endfor %}{% endif %}",
     "a key looked up": LOOP.replace("BODY", "{% if 'tool_calls' in m %}x{% endif %}{{ m.content ~ '!' }}"),
     "a type test": LOOP.replace("BODY", "{% if m.content is string %}{{ m.content }}{% endif %}"),
+    "the previous message's role": LOOP.replace("BODY", "{% if loop.first or loop.previtem.role != m.role %}"
+                                                "[{{ m.role }}]{% endif %}{{ m.content }}"),
+    "joined in a namespace": "{% set ns = namespace(text='') %}" + LOOP.replace("BODY", "{% set ns.text = ns.text + "
+                             "m.content + '|' %}") + "{{ ns.text }}",
 }
 NOT_VERBATIM = {
     "trimmed": "{{ messages[0]['content'] | trim }}",
@@ -45,6 +49,8 @@ NOT_VERBATIM = {
     "contents mapped": "{% for c in messages | map(attribute='content') %}{{ c }}{% endfor %}",
     "in a namespace": "{% set ns = namespace(c='') %}" + LOOP.replace("BODY", "{% set ns.c = m.content %}")
                       + "{{ ns.c | trim }}",
+    "in a namespace from the start": "{% set ns = namespace(c=messages[0].content) %}{{ ns.c | trim }}",
+    "the loop outside a loop": "{% macro f() %}{{ loop.previtem }}{% endmacro %}" + LOOP.replace("BODY", "{{ f() }}"),
     "captured by set": "{% set x %}{{ messages[0].content }}{% endset %}{{ x | trim }}",
     "in a filter block": "{% filter trim %}{{ messages[0].content }}{% endfilter %}",
     "a default written": LOOP.replace("BODY", "{{ (m.content or 'x') | trim }}"),

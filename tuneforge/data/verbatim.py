@@ -2,11 +2,12 @@
 
 A template qualifies when nothing it does depends on a content but whether it is empty: every read of a content (a
 message's `content` key) is written out (alone or joined by `+` / `~` to other text), tested for truthiness or type,
-or kept in a variable that is itself only used so; and no message or list of messages reaches anything that could
-read its content (a filter, a call, the output). Then, for non-empty text contents, the template takes the same
-branches whatever the contents are, and its text is one rendering's text with the contents swapped: template.Layouts
-renders a conversation shape once, with marks for its contents, and fills in each conversation's contents instead of
-rendering it (a fifth of a text dataset's preprocessing).
+or kept in a variable (or a namespace's attribute) that is itself only used so; and no message or list of messages
+reaches anything that could read its content (a filter, a call, a comparison, the output). Then, for non-empty text
+contents, the template takes the same branches whatever the contents are, and its text is one rendering's text with
+the contents swapped: template.Layouts renders a conversation shape once, with marks for its contents, and fills in
+each conversation's contents instead of rendering it (the render was about a sixth of a chat dataset's
+preprocessing).
 
 The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
 and such templates render every conversation, as before. ChatML's family qualifies; templates that trim a content
@@ -58,6 +59,7 @@ class _Reader:
         self.bound: dict[str, set[str]] = {"messages": {MESSAGES}}  # every kind a name is ever set to
         self.macros = {m.name for m in tree.find_all(nodes.Macro)}
         self.capturing = False
+        self.loops: list[str] = []  # the kind of item of each loop around the statement being read, innermost last
 
     def bind(self, target: nodes.Node, kind: str) -> None:
         if isinstance(target, nodes.Name):
@@ -65,7 +67,9 @@ class _Reader:
         elif isinstance(target, nodes.Tuple) and kind == OTHER:
             for item in target.items:
                 self.bind(item, OTHER)
-        elif not (isinstance(target, nodes.NSRef) and kind == OTHER):
+        elif isinstance(target, nodes.NSRef):  # a namespace's attribute: by its name, whichever namespace it is in
+            self.bound.setdefault("." + target.attr, set()).add(kind)
+        else:
             raise _Unfit
 
     def statements(self, body: list[nodes.Node], capturing: bool) -> None:
@@ -88,10 +92,15 @@ class _Reader:
         elif isinstance(node, nodes.For):
             if node.recursive:
                 raise _Unfit
-            self.bind(node.target, {MESSAGES: MESSAGE, OTHER: OTHER}.get(self.kind(node.iter, VALUE)) or _unfit())
+            item = {MESSAGES: MESSAGE, OTHER: OTHER}.get(self.kind(node.iter, VALUE)) or _unfit()
+            self.bind(node.target, item)
             if node.test is not None:
                 self.kind(node.test, TEST)
-            self.statements(node.body, False)
+            self.loops.append(item)  # loop.previtem / loop.nextitem in the body
+            try:
+                self.statements(node.body, False)
+            finally:
+                self.loops.pop()
             self.statements(node.else_, False)
         elif isinstance(node, nodes.Assign):
             self.bind(node.target, self.kind(node.node, VALUE))
@@ -135,12 +144,9 @@ class _Reader:
         if isinstance(node, (nodes.Const, nodes.TemplateData)):
             return OTHER
         if isinstance(node, nodes.Name):
-            if node.name == "loop":  # its previtem / nextitem may be messages: only its other fields are read
+            if node.name == "loop":  # its previtem / nextitem may be messages: only its fields are read
                 raise _Unfit
-            kinds = self.bound.get(node.name, {OTHER}) - {OTHER}
-            if len(kinds) > 1:
-                raise _Unfit
-            return kinds.pop() if kinds else OTHER
+            return self.named(node.name)
         if isinstance(node, (nodes.Getattr, nodes.Getitem)):
             return self.item(node)
         if isinstance(node, (nodes.Add, nodes.Concat)):  # joined text: a content inside it is written as it is
@@ -176,6 +182,13 @@ class _Reader:
             return OTHER
         raise _Unfit  # context references, markup, extension nodes
 
+    def named(self, name: str) -> str:
+        """The kind of a variable (or of a namespace's attribute, ".name"): what it is ever set to."""
+        kinds = self.bound.get(name, {OTHER}) - {OTHER}
+        if len(kinds) > 1:
+            raise _Unfit
+        return kinds.pop() if kinds else OTHER
+
     def either(self, parts: list[nodes.Node | None], where: str) -> str:
         kinds = {self.kind(part, where) for part in parts if part is not None} - {OTHER}
         if len(kinds) > 1:
@@ -187,9 +200,9 @@ class _Reader:
         key = node.attr if isinstance(node, nodes.Getattr) else node.arg.value if isinstance(node.arg, nodes.Const) \
             else node.arg
         if isinstance(node.node, nodes.Name) and node.node.name == "loop":
-            if not isinstance(key, str) or key in ("previtem", "nextitem"):
+            if not isinstance(key, str) or not self.loops:
                 raise _Unfit
-            return OTHER
+            return self.loops[-1] if key in ("previtem", "nextitem") else OTHER
         of = self.kind(node.node, VALUE)
         if of == MESSAGES and isinstance(node, nodes.Getitem) and not isinstance(key, str):
             if isinstance(key, nodes.Slice):
@@ -203,7 +216,7 @@ class _Reader:
         if of == OTHER:
             if isinstance(key, nodes.Node):
                 self.expect_other(key)
-            return OTHER
+            return self.named("." + key) if isinstance(key, str) else OTHER
         raise _Unfit  # a content's characters or methods, a message's methods, a key not known before rendering
 
     def filtered(self, node: nodes.Filter) -> str:
@@ -225,6 +238,11 @@ class _Reader:
                 key = node.args[0].value
                 return CONTENT if key == "content" else OTHER if isinstance(key, str) else _unfit()
             raise _Unfit
+        if isinstance(func, nodes.Name) and func.name == "namespace" and not (node.args or node.dyn_args
+                                                                            or node.dyn_kwargs):
+            for keyword in node.kwargs:  # namespace(text=...): the attributes' first values
+                self.bind(nodes.NSRef("", keyword.key), self.kind(keyword.value, VALUE))
+            return OTHER
         if isinstance(func, nodes.Name):
             if func.name not in self.macros and func.name not in _GLOBAL_CALLS and func.name != "caller":
                 raise _Unfit  # strftime_now, lipsum, names the template does not define
