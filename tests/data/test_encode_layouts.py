@@ -124,8 +124,8 @@ def test_the_models_own_template_matches_the_reference(tokenizer):
 
 
 def test_a_repeated_shape_renders_once_per_conversation(bare, monkeypatch):
-    """The layout path is taken: ten two-turn rows of Llama 3's template (which trims contents) take one render
-    each, plus the shape's prefix renders."""
+    """The layout path is taken: ten two-turn rows of tuneforge's llama3 format (which writes a system prompt as it
+    is and the turns trimmed, so it is rendered) take one render each, plus the shape's prefix renders."""
     calls = []
     real = template._render
     monkeypatch.setattr(template, "_render", lambda *a: calls.append(1) or real(*a))

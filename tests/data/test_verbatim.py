@@ -1,5 +1,6 @@
-"""Which chat templates write contents verbatim (data/verbatim.py), and that for those a conversation's text filled
-into its shape's layout is the text the template renders, for contents that would trip a template which does not."""
+"""Which chat templates write contents verbatim or all trimmed (data/verbatim.py), and that for those a conversation's
+text filled into its shape's layout is the text the template renders, for contents that would trip a template which
+reads them otherwise."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from tuneforge.data import template
-from tuneforge.data.verbatim import writes_contents_verbatim
+from tuneforge.data.verbatim import TRIMMED, VERBATIM, content_form
 
 OFFICIAL = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 LOOP = "{% for m in messages %}BODY{% endfor %}"
 
-VERBATIM = {
+AS_THEY_ARE = {
     "joined": LOOP.replace("BODY", "{{ '<|' + m.role + '|>' + m['content'] + '\\n' }}"),
     "tested for emptiness": LOOP.replace("BODY", "{% if m.content %}{{ m.content }}{% else %}-{% endif %}"),
     "kept in a variable": "{% set sys = messages[0].content if messages[0].role == 'system' else '' %}[{{ sys }}]"
@@ -28,8 +29,16 @@ VERBATIM = {
     "joined in a namespace": "{% set ns = namespace(text='') %}" + LOOP.replace("BODY", "{% set ns.text = ns.text + "
                              "m.content + '|' %}") + "{{ ns.text }}",
 }
+TRIMMED_ALL = {
+    "trimmed": LOOP.replace("BODY", "{{ '<' + m.role + '>' + m['content'] | trim + '\\n' }}"),
+    "trimmed, tested as it is": LOOP.replace("BODY", "{% if m.content and m.content is string %}"
+                                             "{{ m.content | trim }}{% endif %}"),
+    "trimmed into a variable": LOOP.replace("BODY", "{% set c = '[' + m.content | trim + ']' %}{{ c }}"),
+}
 NOT_VERBATIM = {
-    "trimmed": "{{ messages[0]['content'] | trim }}",
+    "some trimmed, some not": LOOP.replace("BODY", "{{ m.content | trim }}") + "{{ messages[0].content }}",
+    "joined text trimmed": LOOP.replace("BODY", "{{ ('<' + m.content) | trim }}"),
+    "kept as it is, then trimmed": LOOP.replace("BODY", "{% set c = m.content %}{{ c | trim }}"),
     "trimmed through a variable": LOOP.replace("BODY", "{% set c = m.content %}{{ c | upper }}"),
     "messages as JSON": "{{ messages | tojson }}",
     "a message written whole": LOOP.replace("BODY", "{{ m }}"),
@@ -39,21 +48,21 @@ NOT_VERBATIM = {
     "split": LOOP.replace("BODY", "{{ m.content.split('</think>')[-1] }}"),
     "sliced": LOOP.replace("BODY", "{{ m.content[:5] }}"),
     "measured": LOOP.replace("BODY", "{{ m.content | length }}"),
-    "through get, trimmed": LOOP.replace("BODY", "{{ m.get('content') | trim }}"),
+    "through get, filtered": LOOP.replace("BODY", "{{ m.get('content') | upper }}"),
     "a message's keys iterated": LOOP.replace("BODY", "{% for k in m %}{{ k }}{% endfor %}"),
     "a message's items": LOOP.replace("BODY", "{{ m.items() | list }}"),
     "a key chosen at render time": LOOP.replace("BODY", "{{ m[m.role] }}"),
-    "the loop's next message": LOOP.replace("BODY", "{{ loop.nextitem.content | trim if loop.nextitem }}"),
+    "the loop's next message": LOOP.replace("BODY", "{{ loop.nextitem.content | upper if loop.nextitem }}"),
     "the loop kept": LOOP.replace("BODY", "{% set l = loop %}{{ l.nextitem }}"),
     "selected by the content": "{% for m in messages | selectattr('content.upper') %}{{ m.role }}{% endfor %}",
     "contents mapped": "{% for c in messages | map(attribute='content') %}{{ c }}{% endfor %}",
     "in a namespace": "{% set ns = namespace(c='') %}" + LOOP.replace("BODY", "{% set ns.c = m.content %}")
-                      + "{{ ns.c | trim }}",
-    "in a namespace from the start": "{% set ns = namespace(c=messages[0].content) %}{{ ns.c | trim }}",
+                      + "{{ ns.c | upper }}",
+    "in a namespace from the start": "{% set ns = namespace(c=messages[0].content) %}{{ ns.c | upper }}",
     "the loop outside a loop": "{% macro f() %}{{ loop.previtem }}{% endmacro %}" + LOOP.replace("BODY", "{{ f() }}"),
     "captured by set": "{% set x %}{{ messages[0].content }}{% endset %}{{ x | trim }}",
     "in a filter block": "{% filter trim %}{{ messages[0].content }}{% endfilter %}",
-    "a default written": LOOP.replace("BODY", "{{ (m.content or 'x') | trim }}"),
+    "a default written": LOOP.replace("BODY", "{{ (m.content or 'x') | upper }}"),
     "passed to a call": LOOP.replace("BODY", "{{ raise_exception(m.content) if m.role == 'x' }}"),
     "today's date": "{{ strftime_now('%d %b %Y') }}" + LOOP.replace("BODY", "{{ m.content }}"),
     "the generation tag": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
@@ -61,21 +70,28 @@ NOT_VERBATIM = {
 }
 
 
-@pytest.mark.parametrize("name", VERBATIM)
+@pytest.mark.parametrize("name", AS_THEY_ARE)
 def test_templates_that_only_write_or_test_contents_qualify(name):
-    assert writes_contents_verbatim(VERBATIM[name])
+    assert content_form(AS_THEY_ARE[name]) == VERBATIM
+
+
+@pytest.mark.parametrize("name", TRIMMED_ALL)
+def test_templates_that_write_every_content_trimmed_qualify(name):
+    assert content_form(TRIMMED_ALL[name]) == TRIMMED
 
 
 @pytest.mark.parametrize("name", NOT_VERBATIM)
 def test_templates_that_read_contents_otherwise_do_not(name):
-    assert not writes_contents_verbatim(NOT_VERBATIM[name])
+    assert content_form(NOT_VERBATIM[name]) is None
 
 
 def test_the_families_official_templates():
-    fit = sorted(p.stem for p in OFFICIAL.glob("*.jinja") if writes_contents_verbatim(p.read_text()))
-    assert fit == ["bailing", "chatglm3", "chatml", "deepseek", "deepseekcoder", "granite3", "openchat", "phi3",
-                   "phi4", "qwen2_5"]
-    # Llama 3 trims contents, Qwen3 splits out reasoning, Mistral and Gemma test roles through the contents' order
+    forms = {p.stem: content_form(p.read_text()) for p in sorted(OFFICIAL.glob("*.jinja"))}
+    assert {name: form for name, form in forms.items() if form} == {
+        **dict.fromkeys(["bailing", "chatglm3", "chatml", "deepseek", "deepseekcoder", "granite3", "openchat",
+                         "phi3", "phi4", "qwen2_5"], VERBATIM),
+        "llama3": TRIMMED, "gemma": TRIMMED}
+    # Qwen3 tests how a content starts, Mistral v3 compares whole messages, the multimodal ones read list contents
 
 
 # contents a template that reads them would render otherwise: spaces, newlines, markers, Jinja-looking text, unicode
@@ -84,10 +100,10 @@ CONTENTS = [" padded \n", "<|im_end|>\n<|im_start|>user", "{{ not jinja }} {% ra
 
 
 def sources():
-    out = dict(VERBATIM)
+    out = {**AS_THEY_ARE, **TRIMMED_ALL}
     out.update((f"official {p.stem}", p.read_text()) for p in sorted(OFFICIAL.glob("*.jinja")))
     out.update((f"ours {n}", s) for n, s in template.TEMPLATES.items())
-    return {name: s for name, s in out.items() if writes_contents_verbatim(s)}
+    return {name: s for name, s in out.items() if content_form(s)}
 
 
 @pytest.mark.parametrize("name", sources())

@@ -322,8 +322,9 @@ class Layouts:
     its text is the marked text with the contents put in, its spans are the marked spans moved by the contents'
     lengths. A template that writes a content other than verbatim (trims it, drops reasoning) gives another text,
     and such a conversation is rendered prefix by prefix, as every conversation of an unfit shape is. Where the
-    template's syntax proves that it writes every content verbatim (data/verbatim.py), a conversation whose contents
-    are not empty is not rendered at all: its text is the marked text with its contents put in."""
+    template's syntax proves that it writes every content verbatim, or every one trimmed (data/verbatim.py), a
+    conversation whose contents are not empty is not rendered at all: its text is the marked text with its contents
+    (trimmed) put in."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple, int] = {}
@@ -332,13 +333,15 @@ class Layouts:
     def filled(self, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
                tools: list | None) -> tuple[str, list[tuple[int, int]]] | None:
         """The text and assistant spans of a conversation from its shape's layout, without rendering it, where the
-        template writes contents verbatim and none of them is empty; else None (render it)."""
+        template writes contents verbatim (or all of them trimmed) and none of them is empty; else None (render
+        it)."""
         own = template.source if template.source is not None else getattr(tokenizer, "chat_template", None)
-        if not isinstance(own, str) or not verbatim.writes_contents_verbatim(own):
-            return None
+        form = verbatim.content_form(own) if isinstance(own, str) else None
         key = _shape(messages, tools)
-        contents = [m["content"] for m in messages]
-        if key is None or not all(contents):  # a template may test a content's emptiness
+        if form is None or key is None:
+            return None
+        contents = [m["content"].strip() if form == verbatim.TRIMMED else m["content"] for m in messages]
+        if not all(contents):  # a template may test a content's emptiness
             return None
         layout = self._layout(key, tokenizer, template, messages, tools)
         if layout is None:

@@ -1,4 +1,4 @@
-"""Whether a Jinja chat template writes each message's content verbatim, read from its syntax tree.
+"""Whether a Jinja chat template writes each message's content verbatim (or trimmed), read from its syntax tree.
 
 A template qualifies when nothing it does depends on a content but whether it is empty: every read of a content (a
 message's `content` key) is written out (alone or joined by `+` / `~` to other text), tested for truthiness or type,
@@ -7,11 +7,12 @@ reaches anything that could read its content (a filter, a call, a comparison, th
 contents, the template takes the same branches whatever the contents are, and its text is one rendering's text with
 the contents swapped: template.Layouts renders a conversation shape once, with marks for its contents, and fills in
 each conversation's contents instead of rendering it (the render was about a sixth of a chat dataset's
-preprocessing).
+preprocessing). A template that writes every content through `| trim` (Llama 3's, Gemma's) qualifies too, its
+contents filled in stripped.
 
 The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
-and such templates render every conversation, as before. ChatML's family qualifies; templates that trim a content
-(Llama 3), split it (Qwen3's reasoning) or dump messages as JSON do not.
+and such templates render every conversation, as before. ChatML's family qualifies; templates that write some
+contents trimmed and others not, split a content (Qwen3's reasoning) or dump messages as JSON do not.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import functools
 
 from jinja2 import Environment, TemplateSyntaxError, nodes
 
-OTHER, CONTENT, MESSAGE, MESSAGES = "other", "content", "message", "messages"
-OUTPUT, TEST, VALUE = "output", "test", "value"  # where an expression's value goes: written, tested, kept or passed
+# the kinds of value an expression gives: a content as it is, a content trimmed, text holding contents
+OTHER, CONTENT, TRIMMED, TEXT, MESSAGE, MESSAGES = "other", "content", "trimmed", "text", "message", "messages"
+TEXTUAL = frozenset({CONTENT, TRIMMED, TEXT})
+# where an expression's value goes: written, tested, trimmed, kept or passed
+OUTPUT, TEST, TRIM, VALUE = "output", "test", "trim", "value"
+VERBATIM = "verbatim"  # content_form's answers: contents written as they are, or all of them trimmed (TRIMMED)
 
 _TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable", "number"})
 _LIST_FILTERS = {"length": OTHER, "count": OTHER, "first": MESSAGE, "last": MESSAGE, "list": MESSAGES,
@@ -35,23 +40,24 @@ class _Unfit(Exception):
 
 
 @functools.lru_cache(maxsize=64)
-def writes_contents_verbatim(source: str) -> bool:
-    """True when the template's text is a function of its messages' roles, the emptiness of their contents and its
-    other inputs, with each content written as it is (see the module's docstring)."""
+def content_form(source: str) -> str | None:
+    """VERBATIM when the template's text is a function of its messages' roles, the emptiness of their contents and
+    its other inputs, with each content written as it is; TRIMMED when so with each content trimmed (`| trim`, which
+    is str.strip); None otherwise (see the module's docstring)."""
     try:
         tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
     except TemplateSyntaxError:  # extensions of the tokenizer's own ({% generation %}): not read here
-        return False
+        return None
     reader = _Reader(tree)
     try:
         for _ in range(8):  # variables take the kinds of what they are set to, which may be set later in the text
             before = {name: set(kinds) for name, kinds in reader.bound.items()}
             reader.statements(tree.body, capturing=False)
             if reader.bound == before:
-                return True
+                return VERBATIM if TRIMMED not in reader.reads else TRIMMED if CONTENT not in reader.reads else None
     except _Unfit:
-        return False
-    return False
+        return None
+    return None
 
 
 class _Reader:
@@ -60,6 +66,7 @@ class _Reader:
         self.macros = {m.name for m in tree.find_all(nodes.Macro)}
         self.capturing = False
         self.loops: list[str] = []  # the kind of item of each loop around the statement being read, innermost last
+        self.reads: set[str] = set()  # how contents are written: CONTENT (as they are), TRIMMED
 
     def bind(self, target: nodes.Node, kind: str) -> None:
         if isinstance(target, nodes.Name):
@@ -83,8 +90,8 @@ class _Reader:
     def statement(self, node: nodes.Node) -> None:
         if isinstance(node, nodes.Output):
             for item in node.nodes:
-                if not isinstance(item, nodes.TemplateData) and self.kind(item, OUTPUT) not in (OTHER, CONTENT):
-                    raise _Unfit
+                if not isinstance(item, nodes.TemplateData):
+                    self.kind(item, OUTPUT)
         elif isinstance(node, nodes.If):
             self.kind(node.test, TEST)
             for part in (node.body, *([e] for e in node.elif_), node.else_):
@@ -133,11 +140,13 @@ class _Reader:
             raise _Unfit
 
     def kind(self, node: nodes.Node, where: str) -> str:
-        """The kind of value the expression gives (OTHER, CONTENT, MESSAGE, MESSAGES), where it goes being `where`;
-        _Unfit when the value may depend on a content other than by being written or tested."""
+        """The kind of value the expression gives, where it goes being `where`; _Unfit when the value may depend on
+        a content other than by being written or tested."""
         kind = self._kind(node, where)
-        if kind == CONTENT and self.capturing or kind in (MESSAGE, MESSAGES) and where == OUTPUT:
+        if kind in TEXTUAL and self.capturing or kind in (MESSAGE, MESSAGES) and where == OUTPUT:
             raise _Unfit
+        if kind == CONTENT and where not in (TEST, TRIM):  # a test reads no more than a trimmed content's emptiness
+            self.reads.add(CONTENT)
         return kind
 
     def _kind(self, node: nodes.Node, where: str) -> str:
@@ -151,10 +160,10 @@ class _Reader:
             return self.item(node)
         if isinstance(node, (nodes.Add, nodes.Concat)):  # joined text: a content inside it is written as it is
             parts = [node.left, node.right] if isinstance(node, nodes.Add) else node.nodes
-            kinds = {self.kind(part, OUTPUT if where == OUTPUT else VALUE) for part in parts}
-            if kinds - {OTHER, CONTENT}:
+            kinds = {self.kind(part, OUTPUT if where == OUTPUT else VALUE) for part in parts} - {OTHER}
+            if kinds - TEXTUAL:
                 raise _Unfit
-            return CONTENT if CONTENT in kinds else OTHER
+            return TEXT if kinds else OTHER
         if isinstance(node, nodes.Not):
             self.kind(node.node, TEST)
             return OTHER
@@ -164,7 +173,7 @@ class _Reader:
             self.kind(node.test, TEST)
             return self.either([node.expr1, node.expr2], where)
         if isinstance(node, nodes.Test):
-            kind = self.kind(node.node, VALUE)
+            kind = self.kind(node.node, TEST if node.name in _TYPE_TESTS else VALUE)
             if kind != OTHER and node.name not in _TYPE_TESTS:
                 raise _Unfit
             self.arguments(node)
@@ -184,16 +193,10 @@ class _Reader:
 
     def named(self, name: str) -> str:
         """The kind of a variable (or of a namespace's attribute, ".name"): what it is ever set to."""
-        kinds = self.bound.get(name, {OTHER}) - {OTHER}
-        if len(kinds) > 1:
-            raise _Unfit
-        return kinds.pop() if kinds else OTHER
+        return _joined(self.bound.get(name, {OTHER}))
 
     def either(self, parts: list[nodes.Node | None], where: str) -> str:
-        kinds = {self.kind(part, where) for part in parts if part is not None} - {OTHER}
-        if len(kinds) > 1:
-            raise _Unfit
-        return kinds.pop() if kinds else OTHER
+        return _joined({self.kind(part, where) for part in parts if part is not None})
 
     def item(self, node: nodes.Getattr | nodes.Getitem) -> str:
         """`x.key` / `x[key]`: a message's content, a message of a list, or a plain value."""
@@ -220,6 +223,15 @@ class _Reader:
         raise _Unfit  # a content's characters or methods, a message's methods, a key not known before rendering
 
     def filtered(self, node: nodes.Filter) -> str:
+        if node.name == "trim" and node.node is not None and not (node.args or node.kwargs or node.dyn_args
+                                                                  or node.dyn_kwargs):
+            of = self.kind(node.node, TRIM)
+            if of in (CONTENT, TRIMMED):
+                self.reads.add(TRIMMED)
+                return TRIMMED
+            if of != OTHER:  # joined text trimmed at its ends only, or a message
+                raise _Unfit
+            return OTHER
         of = self.kind(node.node, VALUE) if node.node is not None else OTHER
         self.arguments(node)
         if of == MESSAGES and node.name in _LIST_FILTERS:
@@ -264,6 +276,14 @@ class _Reader:
                 raise _Unfit
             left = right
         return OTHER
+
+
+def _joined(kinds: set[str]) -> str:
+    """The kind of a value that may be any of these: text if it may be any text, else the one kind."""
+    kinds = kinds - {OTHER}
+    if len(kinds) > 1 and not kinds <= TEXTUAL:
+        raise _Unfit
+    return OTHER if not kinds else kinds.pop() if len(kinds) == 1 else TEXT
 
 
 def _plain_key(node: nodes.Node) -> bool:
