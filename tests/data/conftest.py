@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ def _alpaca_rows(n: int, prefix: str = "q") -> list[dict[str, str]]:
         {"instruction": f"{prefix} question {i}", "input": "", "output": f"answer number {i}."}
         for i in range(n)
     ]
+
+
+@pytest.fixture(scope="module")
+def bare(tokenizer):
+    """The built-in tokenizer without a chat template, as a base model's would be (a copy per test module)."""
+    out = copy.deepcopy(tokenizer)
+    out.chat_template = None
+    return out
 
 
 @pytest.fixture

@@ -27,14 +27,6 @@ TURNS = [
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
 
 
-@pytest.fixture(scope="module")
-def bare(tokenizer):
-    """The built-in tokenizer without a chat template, as a base model's would be."""
-    out = copy.deepcopy(tokenizer)
-    out.chat_template = None
-    return out
-
-
 def family_tokenizer(bare, bos: str, eos: str, markers: list[str]):
     """A base-model tokenizer of a family: its bos / eos and its chat markers as special tokens."""
     out = copy.deepcopy(bare)

@@ -4,7 +4,6 @@ every template of ours, the families' official templates and the model's own, on
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -85,13 +84,6 @@ def encoded(tokenizer, chat, rows, settings):
     enc = encode_supervised(batch, list(range(len(rows))), tokenizer=tokenizer, chat=chat, attr=ATTR,
                             settings=settings)
     return list(zip(enc["input_ids"], enc["labels"], enc["_status"], strict=True))
-
-
-@pytest.fixture(scope="module")
-def bare(tokenizer):
-    out = copy.deepcopy(tokenizer)
-    out.chat_template = None
-    return out
 
 
 def chats():

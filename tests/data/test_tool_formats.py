@@ -29,13 +29,6 @@ ATTR = parse_entry("glaive", {
              "observation_tag": "observation", "function_tag": "function_call"}})
 
 
-@pytest.fixture(scope="module")
-def bare(tokenizer):
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = None
-    return tok
-
-
 @pytest.mark.parametrize(("fmt", "call_text", "described"), [
     ("default", 'Action: get_weather\nAction Input: {"city": "Paris"}', "> get_weather: Weather of a city"),
     ("qwen", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',

@@ -91,14 +91,18 @@ class ChatTemplate:
         """enable_thinking as given (None: the template's own default)."""
         return self.kwargs.get("enable_thinking")
 
+    def jinja(self, tokenizer: Any) -> Any:
+        """The Jinja text rendered: ours, else the tokenizer's chat_template (a str, named ones in a dict, or None)."""
+        return self.source if self.source is not None else getattr(tokenizer, "chat_template", None)
+
     def saved_text(self, tokenizer: Any) -> str | None:
         """The Jinja text a saved model carries: ours or the tokenizer's, recording enable_thinking."""
-        own = self.source if self.source is not None else getattr(tokenizer, "chat_template", None)
+        own = self.jinja(tokenizer)
         return with_thinking_recorded(own, self.thinking) if isinstance(own, str) else own
 
     def text(self, tokenizer: Any) -> str:
         """The Jinja text and its options, for the cache key."""
-        own = self.source if self.source is not None else tokenizer.chat_template
+        own = self.jinja(tokenizer)
         own = own if isinstance(own, str) else json.dumps(own, sort_keys=True)
         return own + (json.dumps(self.kwargs, sort_keys=True) if self.options else "") + (self.tool_format or "")
 
@@ -335,10 +339,10 @@ class Layouts:
         """The text and assistant spans of a conversation from its shape's layout, without rendering it, where the
         template writes contents verbatim (or all of them trimmed) and none of them is empty; else None (render
         it)."""
-        own = template.source if template.source is not None else getattr(tokenizer, "chat_template", None)
+        own = template.jinja(tokenizer)
         form = verbatim.content_form(own) if isinstance(own, str) else None
-        key = _shape(messages, tools)
-        if form is None or key is None:
+        key = _shape(messages, tools) if form is not None else None
+        if key is None:
             return None
         contents = [m["content"].strip() if form == verbatim.TRIMMED else m["content"] for m in messages]
         if not all(contents):  # a template may test a content's emptiness
