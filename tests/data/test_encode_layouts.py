@@ -116,12 +116,12 @@ def test_the_models_own_template_matches_the_reference(tokenizer):
 
 
 def test_a_repeated_shape_renders_once_per_conversation(bare, monkeypatch):
-    """The layout path is taken: ten two-turn rows of tuneforge's llama3 format (which writes a system prompt as it
-    is and the turns trimmed, so it is rendered) take one render each, plus the shape's prefix renders."""
+    """The layout path is taken: ten two-turn rows of Llama 2's own template (which compares the system prompt with
+    false, so it is rendered) take one render each, plus the shape's prefix renders."""
     calls = []
     real = template._render
     monkeypatch.setattr(template, "_render", lambda *a: calls.append(1) or real(*a))
-    chat = template.ChatTemplate("llama3", template.TEMPLATES["llama3"])
+    chat = template.ChatTemplate("llama2", (OFFICIAL / "llama2.jinja").read_text())
     rows = [row(f"question {i}", f"answer {i}", f"next {i}", f"more {i}") for i in range(10)]
     encoded(bare, chat, rows, SETTINGS[0])
     # row 1 renders its 4 prefixes and itself (5); the marked shape 1 + 4; each of the other 9 rows once
@@ -141,6 +141,23 @@ def test_a_template_that_writes_contents_verbatim_renders_each_shape_once(tokeni
     calls.clear()
     encoded(tokenizer, chat, [*rows, row("question", "", "next", "more")], SETTINGS[0])
     assert len(calls) == 5 + 5
+
+
+def test_a_template_whose_prefixes_differ_renders_each_shape_once(bare, monkeypatch):
+    """Qwen3's own template writes an empty reasoning block before the last answer only, so a prefix that ends with
+    an earlier answer is not a prefix of the whole; its prefixes are filled in from their marked renders too: ten
+    rows of one shape take the shape's marked text and 2 prefixes (found not to be prefixes of the whole), then the
+    whole and 3 prefixes filled in (the last is the whole); a row holding `</think>` renders itself and 4 prefixes."""
+    calls = []
+    real = template._render
+    monkeypatch.setattr(template, "_render", lambda *a: calls.append(1) or real(*a))
+    chat = template.ChatTemplate("qwen3", (OFFICIAL / "qwen3.jinja").read_text())
+    rows = [row(f"question {i}", f"answer {i}", f"next {i}", f"more {i}") for i in range(10)]
+    assert encoded(bare, chat, rows, SETTINGS[0]) == reference(bare, chat, rows, SETTINGS[0])
+    assert len(calls) == 3 + 4 + 10 * 5
+    calls.clear()
+    encoded(bare, chat, [*rows, row("question", "answer", "next", "<think>r</think>more")], SETTINGS[0])
+    assert len(calls) == 3 + 4 + 5
 
 
 PAIR_ATTR = parse_entry("pairs", {"file_name": "pairs.json", "formatting": "sharegpt", "ranking": True,

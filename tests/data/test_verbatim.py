@@ -1,6 +1,6 @@
 """Which chat templates write contents verbatim or all trimmed (data/verbatim.py), and that for those a conversation's
-text filled into its shape's layout is the text the template renders, for contents that would trip a template which
-reads them otherwise."""
+text filled into its shape's marked renders is the text the template renders, for contents that would trip a
+template which reads them otherwise; contents the template's Form does not take are rendered."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tuneforge.data import template
-from tuneforge.data.verbatim import TRIMMED, VERBATIM, content_form
+from tuneforge.data.verbatim import Form, content_form
 
 OFFICIAL = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 LOOP = "{% for m in messages %}BODY{% endfor %}"
@@ -35,16 +35,47 @@ TRIMMED_ALL = {
                                              "{{ m.content | trim }}{% endif %}"),
     "trimmed into a variable": LOOP.replace("BODY", "{% set c = '[' + m.content | trim + ']' %}{{ c }}"),
 }
+# templates that qualify on a condition on the contents filled in, and the Form that says it
+GUARDED = {
+    "some trimmed, some not": ("{{ messages[0].content }}{% for m in messages[1:] %}{{ m.content | trim }}"
+                               "{% endfor %}", Form(space_stripped=True)),
+    "kept as it is, then trimmed": (LOOP.replace("BODY", "{% set c = m.content %}{{ c | trim }}"),
+                                    Form(space_stripped=True)),
+    "newlines stripped": (LOOP.replace("BODY", "{{ m.content.lstrip('\\n') if m.role == 'user' else "
+                                               "m.content.rstrip() }}"),
+                          Form(stripped=frozenset("\n"), space_stripped=True)),
+    "searched": (LOOP.replace("BODY", "{% if '<think>' in m.content %}T{% endif %}{{ m.content }}"),
+                 Form(needles=frozenset({"<think>"}))),
+    "a split that a search guards": (LOOP.replace("BODY", "{% set c = m.content %}{% if '</think>' in m.content and x %}"
+                                                  "{% set c = c.split('</think>')[-1] | upper %}{% endif %}{{ c }}"),
+                                     Form(needles=frozenset({"</think>"}))),
+    "how it starts and ends": (LOOP.replace("BODY", "{% if not (m.content.startswith(('<a>', '<b>')) and "
+                                            "(m.content | trim).endswith('</a>')) %}{{ m.content }}{% endif %}"),
+                               Form(needles=frozenset({"<a>", "<b>", "</a>"}), space_stripped=True)),
+    # a trimmed content tested: whether it is empty once stripped, which no content with spaces at its ends tells
+    "trimmed, then tested": (LOOP.replace("BODY", "{% if m.content | trim %}{{ m.content }}{% endif %}"),
+                             Form(space_stripped=True)),
+}
 NOT_VERBATIM = {
-    "some trimmed, some not": LOOP.replace("BODY", "{{ m.content | trim }}") + "{{ messages[0].content }}",
     "joined text trimmed": LOOP.replace("BODY", "{{ ('<' + m.content) | trim }}"),
-    "kept as it is, then trimmed": LOOP.replace("BODY", "{% set c = m.content %}{{ c | trim }}"),
     "trimmed through a variable": LOOP.replace("BODY", "{% set c = m.content %}{{ c | upper }}"),
+    "a trimmed content stripped again": LOOP.replace("BODY", "{{ (m.content | trim).lstrip('x') }}"),
+    "stripped of characters chosen at render time": LOOP.replace("BODY", "{{ m.content.strip(m.role) }}"),
+    "a split under a search that is negated": LOOP.replace("BODY", "{% if '</think>' not in m.content %}"
+                                                           "{{ m.content }}{% else %}{{ m.content.split('x')[0] }}"
+                                                           "{% endif %}"),
+    "a split under a search or something else": LOOP.replace("BODY", "{% if '</think>' in m.content or x %}"
+                                                             "{{ m.content.split('x')[0] }}{% endif %}"),
+    "a split under a search in a variable that may hold other text": LOOP.replace(
+        "BODY", "{% set c = m.content if loop.first else 'a</think>b' %}{% if '</think>' in c %}"
+        "{{ c.split('</think>')[0] }}{% endif %}{{ c }}"),
+    "a search for text chosen at render time": LOOP.replace("BODY", "{% if m.role in m.content %}x{% endif %}"),
+    "a search for text a mark holds": LOOP.replace("BODY", "{% if '1' in m.content %}x{% endif %}"),
+    "a search in joined text": LOOP.replace("BODY", "{% if '<t>' in ('<' + m.content) %}x{% endif %}"),
     "messages as JSON": "{{ messages | tojson }}",
     "a message written whole": LOOP.replace("BODY", "{{ m }}"),
     "a macro's output filtered": "{% macro f() %}{{ messages[0].content }}{% endmacro %}{{ f() | trim }}",
     "compared": LOOP.replace("BODY", "{% if m.content == 'x' %}A{% endif %}"),
-    "searched": LOOP.replace("BODY", "{% if '<think>' in m.content %}T{% endif %}{{ m.content }}"),
     "split": LOOP.replace("BODY", "{{ m.content.split('</think>')[-1] }}"),
     "sliced": LOOP.replace("BODY", "{{ m.content[:5] }}"),
     "measured": LOOP.replace("BODY", "{{ m.content | length }}"),
@@ -72,12 +103,30 @@ NOT_VERBATIM = {
 
 @pytest.mark.parametrize("name", AS_THEY_ARE)
 def test_templates_that_only_write_or_test_contents_qualify(name):
-    assert content_form(AS_THEY_ARE[name]) == VERBATIM
+    assert content_form(AS_THEY_ARE[name]) == Form()
 
 
 @pytest.mark.parametrize("name", TRIMMED_ALL)
 def test_templates_that_write_every_content_trimmed_qualify(name):
-    assert content_form(TRIMMED_ALL[name]) == TRIMMED
+    assert content_form(TRIMMED_ALL[name]) == Form(trimmed=True)
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_templates_that_search_or_strip_contents_qualify_for_the_contents_that_change_nothing(name):
+    source, form = GUARDED[name]
+    assert content_form(source) == form
+
+
+def test_a_form_takes_the_contents_that_its_searches_and_strips_leave_as_they_are():
+    form = Form(needles=frozenset({"</think>"}), stripped=frozenset("\n"), space_stripped=False)
+    assert form.contents(["a", "b c"]) == ["a", "b c"]
+    assert form.contents(["a", "x</think>y"]) is None
+    assert form.contents(["\na", "b"]) is None and form.contents(["a", "b\n"]) is None
+    assert form.contents(["a", ""]) is None
+    assert form.contents([" a", "b "]) == [" a", "b "]  # only newlines are stripped
+    assert Form(space_stripped=True).contents(["a", "b "]) is None
+    assert Form(trimmed=True).contents([" a\n", "b"]) == ["a", "b"]
+    assert Form(trimmed=True).contents([" \n", "b"]) is None  # empty once trimmed
 
 
 @pytest.mark.parametrize("name", NOT_VERBATIM)
@@ -89,18 +138,25 @@ def test_the_families_official_templates():
     forms = {p.stem: content_form(p.read_text()) for p in sorted(OFFICIAL.glob("*.jinja"))}
     assert {name: form for name, form in forms.items() if form} == {
         **dict.fromkeys(["bailing", "chatglm3", "chatml", "deepseek", "deepseekcoder", "granite3", "openchat",
-                         "phi3", "phi4", "qwen2_5"], VERBATIM),
-        "llama3": TRIMMED, "gemma": TRIMMED}
-    # Qwen3 tests how a content starts, Mistral v3 compares whole messages, the multimodal ones read list contents
+                         "phi3", "phi4", "qwen2_5"], Form()),
+        "llama3": Form(trimmed=True), "gemma": Form(trimmed=True),
+        "qwen3": Form(needles=frozenset({"</think>", "<tool_response>", "</tool_response>"}),
+                      stripped=frozenset("\n"))}
+    # Mistral v3 compares whole messages, Llama 2 and Cohere compare the system prompt with false, the multimodal
+    # ones read list contents
+
+
+def test_every_template_of_ours_qualifies():
+    assert [name for name, source in template.TEMPLATES.items() if content_form(source) is None] == []
 
 
 # contents a template that reads them would render otherwise: spaces, newlines, markers, Jinja-looking text, unicode
 CONTENTS = [" padded \n", "<|im_end|>\n<|im_start|>user", "{{ not jinja }} {% raw %}", "ünï 答案 🙂", "x",
-            "<think>\nr\n</think>\n\nanswer", "line\n\n\nline"]
+            "<think>\nr\n</think>\n\nanswer", "line\n\n\nline", "\nnewline first", "<tool_response>x"]
 
 
 def sources():
-    out = {**AS_THEY_ARE, **TRIMMED_ALL}
+    out = {**AS_THEY_ARE, **TRIMMED_ALL, **{name: source for name, (source, _) in GUARDED.items()}}
     out.update((f"official {p.stem}", p.read_text()) for p in sorted(OFFICIAL.glob("*.jinja")))
     out.update((f"ours {n}", s) for n, s in template.TEMPLATES.items())
     return {name: s for name, s in out.items() if content_form(s)}
@@ -110,9 +166,11 @@ QUALIFYING = sources()
 
 
 @pytest.mark.parametrize("name", QUALIFYING)
-def test_a_filled_layout_is_the_rendered_text(bare, name):
+def test_a_filled_text_is_the_rendered_text(bare, name):
     chat = template.ChatTemplate(name, QUALIFYING[name])
+    form = content_form(QUALIFYING[name])
     shapes = [["user", "assistant"], ["system", "user", "assistant", "user", "assistant"]]
+    filled = 0
     for roles in shapes:
         layouts = template.Layouts()
         for shift in range(len(CONTENTS)):
@@ -122,6 +180,13 @@ def test_a_filled_layout_is_the_rendered_text(bare, name):
             except Exception:  # the template refuses the shape (a role it has no turn for)
                 assert layouts.filled(bare, chat, messages, None) is None
                 continue
-            text, spans = layouts.filled(bare, chat, messages, None)
+            got = layouts.filled(bare, chat, messages, None)
+            if form.contents([m["content"] for m in messages]) is None:
+                assert got is None
+                continue
+            text, spans = got
+            filled += 1
             assert text == rendered
-            assert spans == template._prefix_spans(bare, chat, messages, None, rendered)
+            assert spans == template._prefix_spans(
+                messages, rendered, lambda k, gen, m=messages: template._render(bare, chat, m[:k], None, gen))
+    assert filled >= 2  # some conversations of each kind of template are filled in

@@ -9,7 +9,9 @@ tokenizer's offset mapping; a token that overlaps a span is supervised.
 Rows of a dataset mostly share a few shapes (roles in order, tools): the encoders pass a per-batch `Layouts`, so a
 conversation whose shape was met before renders once and takes its spans from the shape's layout when its text is
 that layout's with its contents put in (else it renders its prefixes); with a template that provably writes contents
-verbatim (data/verbatim.py) it is not rendered at all.
+verbatim (data/verbatim.py) it is not rendered at all: its text, and where the template's prefixes are not prefixes
+of the whole (Qwen3 writes the last answer's empty reasoning block) the texts of its prefixes too, are the marked
+renders with the contents put in.
 
 A supervised span is the assistant's content plus the template's end-of-turn marker (`<|im_end|>`,
 `<|eot_id|>`, `</s>`): the model must learn to stop. Whitespace that the template writes after the
@@ -28,7 +30,7 @@ import bisect
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,19 +217,22 @@ def render(
         return filled
     full = _render(tokenizer, template, messages, tools, False)
     found = layouts.spans(tokenizer, template, messages, tools, full) if layouts is not None else None
-    return full, found if found is not None else _prefix_spans(tokenizer, template, messages, tools, full)
+    if found is None:
+        found = _prefix_spans(messages, full, lambda k, gen: _render(tokenizer, template, messages[:k], tools, gen))
+    return full, found
 
 
-def _prefix_spans(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], tools: list | None,
-                  full: str) -> list[tuple[int, int]]:
-    """Each assistant turn's span, found by rendering the prefixes that end before and after it."""
+def _prefix_spans(messages: list[dict[str, Any]], full: str, render: Callable[[int, bool], str]
+                  ) -> list[tuple[int, int]]:
+    """Each assistant turn's span, found from the texts of the prefixes that end before and after it
+    (`render(k, generation_prompt)`: the text of `messages[:k]`)."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, template, messages[:i], tools, True)
-        through = _render(tokenizer, template, messages[: i + 1], tools, False)
+        before = render(i, True)
+        through = render(i + 1, False)
         start, end = _locate(full, before, through, _text_of(message["content"]), cursor, i)
         end = _trim_end(full, start, end)
         spans.append((start, end))
@@ -255,7 +260,7 @@ class _Layout:
     spans: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
 
     def fill(self, contents: list[str]) -> str:
-        return "".join(p + c for p, c in zip(self.pieces, contents, strict=False)) + self.pieces[-1]
+        return _fill(self.pieces, contents)
 
     def spans_in(self, contents: list[str], full: str) -> list[tuple[int, int]] | None:
         """The spans in the text with these contents (trimmed as _prefix_spans trims), None if they overlap."""
@@ -282,23 +287,41 @@ def _shape(messages: list[dict[str, Any]], tools: list | None) -> tuple | None:
     return tuple(m["role"] for m in messages), json.dumps(tools, sort_keys=True) if tools else None
 
 
+def _fill(pieces: tuple[str, ...], contents: list[str]) -> str:
+    return "".join(p + c for p, c in zip(pieces, contents, strict=False)) + pieces[-1]
+
+
+def _marked(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [{"role": m["role"], "content": _MARK.format(j)} for j, m in enumerate(messages)]
+
+
+def _pieces(full: str, marked: list[dict[str, str]]) -> tuple[str, ...] | None:
+    """A marked render cut at its marks; None when they do not show each content once, in order."""
+    pieces, at = [], 0
+    for m in marked:
+        found = full.find(m["content"], at)
+        if found < 0 or full.count(m["content"]) != 1:
+            return None
+        pieces.append(full[at:found])
+        at = found + len(m["content"])
+    pieces.append(full[at:])
+    return tuple(pieces)
+
+
 def _layout(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
             tools: list | None) -> _Layout | None:
     """The layout of this conversation's shape, or None when the marks do not show each content once, in order,
     or a prefix does not render as a prefix of the whole (such shapes are rendered prefix by prefix)."""
-    marked = [{"role": m["role"], "content": _MARK.format(j)} for j, m in enumerate(messages)]
+    marked = _marked(messages)
     try:
         full = _render(tokenizer, template, marked, tools, False)
-        pieces, at, bounds = [], 0, []  # bounds: (start, end) of each piece in the marked text
-        for m in marked:
-            found = full.find(m["content"], at)
-            if found < 0 or full.count(m["content"]) != 1:
-                return None
-            pieces.append(full[at:found])
-            bounds.append((at, found))
-            at = found + len(m["content"])
-        pieces.append(full[at:])
-        bounds.append((at, len(full)))
+        pieces = _pieces(full, marked)
+        if pieces is None:
+            return None
+        bounds, at = [], 0  # (start, end) of each piece in the marked text
+        for piece, m in zip(pieces, [*marked, {"content": ""}], strict=True):
+            bounds.append((at, at + len(piece)))
+            at += len(piece) + len(m["content"])
 
         def anchor(position: int) -> tuple[int, int] | None:
             return next(((k, position - a) for k, (a, b) in enumerate(bounds) if a <= position <= b), None)
@@ -318,6 +341,10 @@ def _layout(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any
     return _Layout(tuple(pieces), tuple(spans))
 
 
+class _Unfilled(Exception):
+    """A prefix's marked render does not show each content once, in order."""
+
+
 class Layouts:
     """The layouts of the conversation shapes one batch holds (its roles in order, its tools).
 
@@ -327,32 +354,54 @@ class Layouts:
     lengths. A template that writes a content other than verbatim (trims it, drops reasoning) gives another text,
     and such a conversation is rendered prefix by prefix, as every conversation of an unfit shape is. Where the
     template's syntax proves that it writes every content verbatim, or every one trimmed (data/verbatim.py), a
-    conversation whose contents are not empty is not rendered at all: its text is the marked text with its contents
-    (trimmed) put in."""
+    conversation whose contents its Form takes (none empty, none holding text the template looks for, ...) is not
+    rendered at all: its text is the marked text with its contents (trimmed) put in. Where the shape's prefixes do
+    not render as prefixes of the whole (Qwen3's empty reasoning block goes before the last answer only), the
+    prefixes' texts are filled in from their own marked renders, and the spans found from them as from rendered
+    prefixes."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple, int] = {}
         self._layouts: dict[tuple, _Layout | None] = {}
+        self._prefixes: dict[tuple, tuple[str, ...] | None] = {}  # (shape of a prefix, generation prompt) -> pieces
 
     def filled(self, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
                tools: list | None) -> tuple[str, list[tuple[int, int]]] | None:
-        """The text and assistant spans of a conversation from its shape's layout, without rendering it, where the
-        template writes contents verbatim (or all of them trimmed) and none of them is empty; else None (render
-        it)."""
+        """The text and assistant spans of a conversation from its shape's marked renders, without rendering it,
+        where the template writes contents verbatim (or all of them trimmed) and the contents are ones its Form
+        takes (none empty, ...); else None (render it)."""
         own = template.jinja(tokenizer)
         form = verbatim.content_form(own) if isinstance(own, str) else None
         key = _shape(messages, tools) if form is not None else None
-        if key is None:
-            return None
-        contents = [m["content"].strip() if form == verbatim.TRIMMED else m["content"] for m in messages]
-        if not all(contents):  # a template may test a content's emptiness
+        contents = form.contents([m["content"] for m in messages]) if key is not None else None
+        if contents is None:
             return None
         layout = self._layout(key, tokenizer, template, messages, tools)
-        if layout is None:
-            return None
+        if layout is None:  # the prefixes filled in too, their spans found as from rendered prefixes
+            return self._filled_prefixes(key, tokenizer, template, messages, tools, contents)
         text = layout.fill(contents)
         spans = layout.spans_in(contents, text)
         return None if spans is None else (text, spans)
+
+    def _filled_prefixes(self, key: tuple, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
+                         tools: list | None, contents: list[str]) -> tuple[str, list[tuple[int, int]]] | None:
+        def fill(k: int, gen: bool) -> str:
+            prefix = (key[0][:k], key[1], gen)
+            if prefix not in self._prefixes:
+                marked = _marked(messages[:k])
+                try:
+                    self._prefixes[prefix] = _pieces(_render(tokenizer, template, marked, tools, gen), marked)
+                except BadRow:
+                    self._prefixes[prefix] = None
+            if self._prefixes[prefix] is None:
+                raise _Unfilled
+            return _fill(self._prefixes[prefix], contents[:k])
+
+        try:
+            full = fill(len(messages), False)
+            return full, _prefix_spans(messages, full, fill)
+        except _Unfilled:
+            return None
 
     def _layout(self, key: tuple, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
                 tools: list | None) -> _Layout | None:

@@ -10,14 +10,22 @@ each conversation's contents instead of rendering it (the render was about a six
 preprocessing). A template that writes every content through `| trim` (Llama 3's, Gemma's) qualifies too, its
 contents filled in stripped.
 
+Two more reads are allowed, each with a condition on the contents that are filled in (Form.contents; any other
+conversation is rendered): looking for fixed text in a content (`'</think>' in content`, `content.startswith(...)`,
+`endswith`), where no content may hold that text, so the test is false as it is for the marks (and what a positive
+test guards, such as Qwen3's reasoning split, is never run: it is not read); and stripping a content's ends
+(`content.lstrip('\n')`, or `| trim` where other writes keep contents as they are), where no content may begin or
+end with what is stripped, so the strip changes nothing.
+
 The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
-and such templates render every conversation, as before. ChatML's family qualifies; templates that write some
-contents trimmed and others not, split a content (Qwen3's reasoning) or dump messages as JSON do not.
+and such templates render every conversation, as before. ChatML's family and Qwen3's qualify; templates that dump
+messages as JSON, compare contents or slice them do not.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from jinja2 import Environment, TemplateSyntaxError, nodes
 
@@ -26,13 +34,39 @@ OTHER, CONTENT, TRIMMED, TEXT, MESSAGE, MESSAGES = "other", "content", "trimmed"
 TEXTUAL = frozenset({CONTENT, TRIMMED, TEXT})
 # where an expression's value goes: written, tested, trimmed, kept or passed
 OUTPUT, TEST, TRIM, VALUE = "output", "test", "trim", "value"
-VERBATIM = "verbatim"  # content_form's answers: contents written as they are, or all of them trimmed (TRIMMED)
 
 _TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable", "number"})
 _LIST_FILTERS = {"length": OTHER, "count": OTHER, "first": MESSAGE, "last": MESSAGE, "list": MESSAGES,
                  "reverse": MESSAGES, "selectattr": MESSAGES, "rejectattr": MESSAGES}
 _GLOBAL_CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})  # not strftime_now: the day changes it
 _DICT_METHODS = frozenset(dir(dict))
+_SEARCHES = frozenset({"startswith", "endswith"})  # and `in`: tests for fixed text in a content
+_STRIPS = frozenset({"strip", "lstrip", "rstrip"})
+_MARK_CHARS = frozenset("0123456789\ue000\ue001")  # what template.Layouts' marks are made of
+
+
+@dataclass(frozen=True)
+class Form:
+    """How a qualifying template's text depends on its contents: which contents can be filled in, and how."""
+
+    trimmed: bool = False  # every content is written through `| trim`: the contents go in stripped
+    needles: frozenset[str] = frozenset()  # text the template looks for in a content
+    stripped: frozenset[str] = frozenset()  # characters some write strips from a content's ends
+    space_stripped: bool = False  # some write strips whitespace from a content's ends (`| trim`, `strip()`)
+
+    def contents(self, contents: list[str]) -> list[str] | None:
+        """The texts to fill in for these contents; None where the conversation must be rendered: a content is
+        empty (stripped, for a trimmed template), holds a needle, or begins or ends with what a write strips."""
+        for c in contents:
+            if not c or any(n in c for n in self.needles):
+                return None
+            if self.space_stripped and (c[0].isspace() or c[-1].isspace()) or c[0] in self.stripped \
+                    or c[-1] in self.stripped:
+                return None
+        if self.trimmed:
+            contents = [c.strip() for c in contents]
+            return contents if all(contents) else None
+        return contents
 
 
 class _Unfit(Exception):
@@ -40,10 +74,10 @@ class _Unfit(Exception):
 
 
 @functools.lru_cache(maxsize=64)
-def content_form(source: str) -> str | None:
-    """VERBATIM when the template's text is a function of its messages' roles, the emptiness of their contents and
-    its other inputs, with each content written as it is; TRIMMED when so with each content trimmed (`| trim`, which
-    is str.strip); None otherwise (see the module's docstring)."""
+def content_form(source: str) -> Form | None:
+    """The Form of a template whose text, for the contents Form.contents takes, is a function of its messages'
+    roles and its other inputs with each content written as it is (or each trimmed: `| trim`, which is str.strip);
+    None for any other template (see the module's docstring)."""
     try:
         tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
     except TemplateSyntaxError:  # extensions of the tokenizer's own ({% generation %}): not read here
@@ -54,7 +88,7 @@ def content_form(source: str) -> str | None:
             before = {name: set(kinds) for name, kinds in reader.bound.items()}
             reader.statements(tree.body, capturing=False)
             if reader.bound == before:
-                return VERBATIM if TRIMMED not in reader.reads else TRIMMED if CONTENT not in reader.reads else None
+                return reader.form()
     except _Unfit:
         return None
     return None
@@ -67,6 +101,15 @@ class _Reader:
         self.capturing = False
         self.loops: list[str] = []  # the kind of item of each loop around the statement being read, innermost last
         self.reads: set[str] = set()  # how contents are written: CONTENT (as they are), TRIMMED
+        self.needles: set[str] = set()
+        self.stripped: set[str] = set()
+        self.space_stripped = False
+        self.searches: set[int] = set()  # the ids of tests for a needle (false for the contents filled in)
+
+    def form(self) -> Form:
+        trimmed = self.reads == {TRIMMED}  # some written trimmed and some not: trimming must change none
+        return Form(trimmed, frozenset(self.needles), frozenset(self.stripped),
+                    self.space_stripped or TRIMMED in self.reads and not trimmed)
 
     def bind(self, target: nodes.Node, kind: str) -> None:
         if isinstance(target, nodes.Name):
@@ -94,7 +137,9 @@ class _Reader:
                     self.kind(item, OUTPUT)
         elif isinstance(node, nodes.If):
             self.kind(node.test, TEST)
-            for part in (node.body, *([e] for e in node.elif_), node.else_):
+            if not self.never(node.test):  # a search for a needle guards it: never run for contents filled in
+                self.statements(node.body, False)
+            for part in (*([e] for e in node.elif_), node.else_):
                 self.statements(part, False)
         elif isinstance(node, nodes.For):
             if node.recursive:
@@ -134,6 +179,11 @@ class _Reader:
             self.statements(node.body, False)
         elif not isinstance(node, (nodes.Break, nodes.Continue)):  # includes, imports, blocks, autoescape
             raise _Unfit
+
+    def never(self, test: nodes.Node) -> bool:
+        """Whether a test is false for the contents filled in: a search for a needle, or `and` with one."""
+        return id(test) in self.searches or isinstance(test, nodes.And) and (self.never(test.left)
+                                                                             or self.never(test.right))
 
     def expect_other(self, node: nodes.Node | None) -> None:
         if node is not None and self.kind(node, VALUE) != OTHER:
@@ -244,6 +294,31 @@ class _Reader:
 
     def call(self, node: nodes.Call) -> str:
         func = node.node
+        if isinstance(func, nodes.Getattr) and func.attr in _SEARCHES | _STRIPS:
+            of = self.kind(func.node, TRIM)  # read here; what the method gives is counted where it goes
+            if of == OTHER:
+                self.arguments(node)
+                return OTHER
+            if of not in (CONTENT, TRIMMED) or node.kwargs or node.dyn_args or node.dyn_kwargs or len(node.args) > 1:
+                raise _Unfit
+            if func.attr in _SEARCHES:
+                if not node.args:
+                    raise _Unfit
+                for needle in _constants(node.args[0]):
+                    self.needle(needle)
+                if self.read_directly(func.node):
+                    self.searches.add(id(node))
+                return OTHER
+            if of != CONTENT:
+                raise _Unfit  # a trimmed content stripped again: its new ends are not the ones checked
+            chars = _constants(node.args[0]) if node.args else [None]
+            if len(chars) != 1 or not (chars[0] is None or isinstance(chars[0], str)):
+                raise _Unfit
+            if chars[0] is None:
+                self.space_stripped = True
+            else:
+                self.stripped.update(chars[0])
+            return CONTENT
         if isinstance(func, nodes.Getattr) and func.attr == "get" and self.kind(func.node, VALUE) == MESSAGE:
             if 1 <= len(node.args) <= 2 and not node.kwargs and isinstance(node.args[0], nodes.Const):
                 self.arguments(node)  # the default (every message has a content)
@@ -268,14 +343,34 @@ class _Reader:
             self.expect_other(arg)
 
     def compared(self, node: nodes.Compare) -> str:
-        left = self.kind(node.expr, VALUE)
+        left, left_node = self.kind(node.expr, VALUE), node.expr
         for operand in node.ops:
-            right = self.kind(operand.expr, VALUE)
-            key_in_message = operand.op in ("in", "notin") and left == OTHER and right == MESSAGE
-            if not key_in_message and (left, right) != (OTHER, OTHER):
-                raise _Unfit
-            left = right
+            searched = operand.op in ("in", "notin")
+            right = self.kind(operand.expr, TEST if searched else VALUE)
+            if searched and left == OTHER and right in (CONTENT, TRIMMED):  # `'</think>' in content`
+                for needle in _constants(left_node):
+                    self.needle(needle)
+                if operand.op == "in" and len(node.ops) == 1 and self.read_directly(operand.expr):
+                    self.searches.add(id(node))
+            elif not (searched and left == OTHER and right == MESSAGE) and (left, right) != (OTHER, OTHER):
+                raise _Unfit  # a key looked up in a message, or plain values compared, are all it may be
+            left, left_node = right, operand.expr
         return OTHER
+
+    def read_directly(self, node: nodes.Node) -> bool:
+        """Whether an expression is a message's content itself (`m.content`, `m['content']`, trimmed or not), so a
+        search in it is false for the contents filled in; a variable may hold other text, where it may be true."""
+        if isinstance(node, nodes.Filter) and node.name == "trim" and node.node is not None:
+            node = node.node
+        key = node.attr if isinstance(node, nodes.Getattr) else node.arg.value \
+            if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) else None
+        return key == "content" and self.kind(node.node, VALUE) == MESSAGE
+
+    def needle(self, needle: object) -> None:
+        """Text looked for in a content: a content holding it is rendered, so no mark may hold it."""
+        if not isinstance(needle, str) or not set(needle) - _MARK_CHARS:
+            raise _Unfit
+        self.needles.add(needle)
 
 
 def _joined(kinds: set[str]) -> str:
@@ -290,6 +385,15 @@ def _plain_key(node: nodes.Node) -> bool:
     """A constant key other than the content (no dotted path into it)."""
     return isinstance(node, nodes.Const) and isinstance(node.value, str) and "." not in node.value \
         and node.value != "content"
+
+
+def _constants(node: nodes.Node) -> list[object]:
+    """The values of a constant or a tuple of constants (`startswith(('a', 'b'))`); _Unfit for anything else."""
+    if isinstance(node, nodes.Const):
+        return [node.value]
+    if isinstance(node, nodes.Tuple) and all(isinstance(item, nodes.Const) for item in node.items):
+        return [item.value for item in node.items]
+    raise _Unfit
 
 
 def _unfit() -> str:
