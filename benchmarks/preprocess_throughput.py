@@ -2,6 +2,7 @@
 
     python benchmarks/preprocess_throughput.py [--data alpaca|sharegpt|both] [--workers N] [--repeat R] [--peer]
                                                [--cutoff-len L] [--model-dir DIR] [--dataset-dir DIR]
+                                               [--chat-template FILE --peer-template NAME]
 
 alpaca: LlamaFactory's alpaca_en_demo (999 rows). sharegpt: 10,000 sharegpt rows built from those rows (1 to 4
 turns each, questions drawn with a fixed seed, a system prompt on every third row), written to a temporary folder.
@@ -14,7 +15,9 @@ converting, tokenizing) through its own argument parser, run by the peer's venv 
 SmolLM2-135M-Instruct tokenizer: tuneforge with the tokenizer's own chat template, LlamaFactory with its smollm2
 template and that template's default system prompt written as the tokenizer's (LlamaFactory's has a final period),
 so the two write the same token ids; the ratio line says whether they did, row by row. (Their labels differ by
-design: LlamaFactory also trains the newline after <|im_end|>.)
+design: LlamaFactory also trains the newline after <|im_end|>.) With --chat-template FILE tuneforge renders with
+that Jinja template as the tokenizer's own (tests/fixtures/chat_templates/qwen3.jinja is Qwen3's) and LlamaFactory
+with its template --peer-template NAME (qwen3) and that template's default system prompt.
 
 Prints one JSON line per measurement (seconds: the best of --repeat; cpu_seconds: of all its processes) and a
 ratio line per dataset; PREP_KEEP=DIR keeps the generated data and both token id files (.npy) there. Timing is
@@ -144,6 +147,19 @@ def same_rows(a: Path, b: Path) -> tuple[int, int]:
     return sum(len(p) == len(q) and bool((p == q).all()) for p, q in zip(x, y, strict=False)), max(len(x), len(y))
 
 
+def with_chat_template(model_dir: str, template: Path, target: Path) -> str:
+    """A folder with the model's tokenizer and config, the tokenizer's chat template replaced by this one."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = template.read_text(encoding="utf-8")
+    tokenizer.save_pretrained(target)
+    shutil.copy(Path(model_dir) / "config.json", target / "config.json")
+    return str(target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", choices=["alpaca", "sharegpt", "both"], default="both")
@@ -153,7 +169,11 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="also time LlamaFactory 0.9.5 and print the ratios")
     parser.add_argument("--model-dir", help="the tokenizer's folder (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--dataset-dir", default=str(DEFAULT_DATA))
+    parser.add_argument("--chat-template", help="a Jinja chat template tuneforge renders with as the tokenizer's own")
+    parser.add_argument("--peer-template", help="LlamaFactory's template beside --chat-template (e.g. qwen3)")
     args = parser.parse_args()
+    if (args.chat_template is None) != (args.peer_template is None):
+        parser.error("--chat-template and --peer-template go together")
     if args.peer:
         peer_venv()  # exits here, before any timing, when the peer is missing
     if args.model_dir is None:
@@ -162,6 +182,8 @@ def main() -> None:
         args.model_dir = str(builtin_model_dir())
     with tempfile.TemporaryDirectory(prefix="prep-data-") as tmp:
         tmp_dir = Path(os.environ.get("PREP_KEEP") or tmp)
+        if args.chat_template:
+            args.model_dir = with_chat_template(args.model_dir, Path(args.chat_template), tmp_dir / "tokenizer")
         sets = []
         if args.data in ("alpaca", "both"):
             sets.append(("alpaca_en_demo", "alpaca_en_demo", Path(args.dataset_dir)))
@@ -180,9 +202,10 @@ def main() -> None:
             print(json.dumps(ours), flush=True)
             if not args.peer:
                 continue
-            peer_config = {**common, "do_train": True, "finetuning_type": "lora", "template": "smollm2",
-                           "default_system": SMOLLM_SYSTEM, "output_dir": str(tmp_dir / "lf-out"), "use_cpu": True,
-                           "report_to": "none"}
+            template = {"template": args.peer_template} if args.peer_template else \
+                {"template": "smollm2", "default_system": SMOLLM_SYSTEM}
+            peer_config = {**common, **template, "do_train": True, "finetuning_type": "lora",
+                           "output_dir": str(tmp_dir / "lf-out"), "use_cpu": True, "report_to": "none"}
             peer_env = {"PYTHONPATH": str(PEER_VENV / "stubs"), "DISABLE_VERSION_CHECK": "1"}
             peer_ids = tmp_dir / f"{label}-peer.npy"
             peer = line("llamafactory-0.9.5", label, args.workers,
