@@ -35,7 +35,10 @@ TEXTUAL = frozenset({CONTENT, TRIMMED, TEXT})
 # where an expression's value goes: written, tested, trimmed, kept or passed
 OUTPUT, TEST, TRIM, VALUE = "output", "test", "trim", "value"
 
-_TYPE_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence", "iterable", "number"})
+# the type tests, and what each gives for a text: every content filled in is one (template._shape)
+_OF_TEXT = {"string": True, "defined": True, "sequence": True, "iterable": True, "undefined": False, "none": False,
+            "mapping": False, "number": False}
+_TYPE_TESTS = frozenset(_OF_TEXT)
 _LIST_FILTERS = {"length": OTHER, "count": OTHER, "first": MESSAGE, "last": MESSAGE, "list": MESSAGES,
                  "reverse": MESSAGES, "selectattr": MESSAGES, "rejectattr": MESSAGES}
 _GLOBAL_CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})  # not strftime_now: the day changes it
@@ -137,10 +140,12 @@ class _Reader:
                     self.kind(item, OUTPUT)
         elif isinstance(node, nodes.If):
             self.kind(node.test, TEST)
-            if not self.never(node.test):  # a search for a needle guards it: never run for contents filled in
+            truth = self.truth(node.test)  # a branch never run for the contents filled in is not read
+            if truth is not False:
                 self.statements(node.body, False)
-            for part in (*([e] for e in node.elif_), node.else_):
-                self.statements(part, False)
+            if truth is not True:
+                for part in (*([e] for e in node.elif_), node.else_):
+                    self.statements(part, False)
         elif isinstance(node, nodes.For):
             if node.recursive:
                 raise _Unfit
@@ -180,10 +185,23 @@ class _Reader:
         elif not isinstance(node, (nodes.Break, nodes.Continue)):  # includes, imports, blocks, autoescape
             raise _Unfit
 
-    def never(self, test: nodes.Node) -> bool:
-        """Whether a test is false for the contents filled in: a search for a needle, or `and` with one."""
-        return id(test) in self.searches or isinstance(test, nodes.And) and (self.never(test.left)
-                                                                             or self.never(test.right))
+    def truth(self, test: nodes.Node) -> bool | None:
+        """What a test gives for every conversation filled in, None where it may differ: a search for a needle in a
+        content is false, a type test of one is what it is for a text, and so are `not`, `and` and `or` of those."""
+        if id(test) in self.searches:
+            return False
+        if isinstance(test, nodes.Test) and test.name in _OF_TEXT and self.read_directly(test.node):
+            return _OF_TEXT[test.name]
+        if isinstance(test, nodes.Not):
+            inner = self.truth(test.node)
+            return None if inner is None else not inner
+        if isinstance(test, (nodes.And, nodes.Or)):
+            left, right = self.truth(test.left), self.truth(test.right)
+            decides = isinstance(test, nodes.Or)  # the value that decides it alone: true for `or`, false for `and`
+            if decides in (left, right):
+                return decides
+            return None if left is None or right is None else not decides
+        return None
 
     def expect_other(self, node: nodes.Node | None) -> None:
         if node is not None and self.kind(node, VALUE) != OTHER:
@@ -221,7 +239,9 @@ class _Reader:
             return self.either([node.left, node.right], where)
         if isinstance(node, nodes.CondExpr):
             self.kind(node.test, TEST)
-            return self.either([node.expr1, node.expr2], where)
+            truth = self.truth(node.test)
+            return self.either([node.expr1 if truth is not False else None,
+                                node.expr2 if truth is not True else None], where)
         if isinstance(node, nodes.Test):
             kind = self.kind(node.node, TEST if node.name in _TYPE_TESTS else VALUE)
             if kind != OTHER and node.name not in _TYPE_TESTS:
@@ -359,7 +379,8 @@ class _Reader:
 
     def read_directly(self, node: nodes.Node) -> bool:
         """Whether an expression is a message's content itself (`m.content`, `m['content']`, trimmed or not), so a
-        search in it is false for the contents filled in; a variable may hold other text, where it may be true."""
+        search in it is false for the contents filled in, and a type test of it is a text's; a variable may hold
+        other values."""
         if isinstance(node, nodes.Filter) and node.name == "trim" and node.node is not None:
             node = node.node
         key = node.attr if isinstance(node, nodes.Getattr) else node.arg.value \
