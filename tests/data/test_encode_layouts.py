@@ -169,7 +169,7 @@ FEEDBACK_ATTR = parse_entry("fb", {"file_name": "fb.json", "formatting": "shareg
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "qwen3", "gemma", "default"])
 def test_preference_encoders_match_prefix_rendering(bare, monkeypatch, name):
-    """Pairs and kto rows give the same columns as when every conversation renders its prefixes."""
+    """Pairs and kto rows give the same columns as when every conversation renders its prefixes (none filled in)."""
     from tuneforge.data.encode_pref import encode_feedback, encode_pairwise
 
     chat = template.ChatTemplate(name, template.TEMPLATES[name])
@@ -190,6 +190,7 @@ def test_preference_encoders_match_prefix_rendering(bare, monkeypatch, name):
 
     batched = run()
     monkeypatch.setattr(template.Layouts, "spans", lambda self, *a: None)
+    monkeypatch.setattr(template.Layouts, "filled", lambda self, *a: None)
     assert batched == run()
 
 
