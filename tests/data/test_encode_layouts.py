@@ -116,12 +116,12 @@ def test_the_models_own_template_matches_the_reference(tokenizer):
 
 
 def test_a_repeated_shape_renders_once_per_conversation(bare, monkeypatch):
-    """The layout path is taken: ten two-turn rows of Llama 2's own template (which compares the system prompt with
-    false, so it is rendered) take one render each, plus the shape's prefix renders."""
+    """The layout path is taken: ten two-turn rows of Mistral v3's own template (which compares whole messages, so
+    it is rendered) take one render each, plus the shape's prefix renders."""
     calls = []
     real = template._render
     monkeypatch.setattr(template, "_render", lambda *a: calls.append(1) or real(*a))
-    chat = template.ChatTemplate("llama2", (OFFICIAL / "llama2.jinja").read_text())
+    chat = template.ChatTemplate("mistral_v3", (OFFICIAL / "mistral_v3.jinja").read_text())
     rows = [row(f"question {i}", f"answer {i}", f"next {i}", f"more {i}") for i in range(10)]
     encoded(bare, chat, rows, SETTINGS[0])
     # row 1 renders its 4 prefixes and itself (5); the marked shape 1 + 4; each of the other 9 rows once

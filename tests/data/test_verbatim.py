@@ -60,12 +60,20 @@ GUARDED = {
     "how it starts and ends": (LOOP.replace("BODY", "{% if not (m.content.startswith(('<a>', '<b>')) and "
                                             "(m.content | trim).endswith('</a>')) %}{{ m.content }}{% endif %}"),
                                Form(needles=frozenset({"<a>", "<b>", "</a>"}), space_stripped=True)),
+    "joined text trimmed": (LOOP.replace("BODY", "{{ (' <' + m.content + '\\n') | trim }}"), Form(space_stripped=True)),
+    "joined text stripped": (LOOP.replace("BODY", "{{ ('\\n' + m.content + '\\n\\n').rstrip('\\n') + '|' }}"),
+                             Form(stripped=frozenset("\n"))),
+    "trimmed into joined text, then stripped": (LOOP.replace("BODY", "{{ ('[' + m.content | trim).rstrip('.') }}"),
+                                                Form(stripped=frozenset("."), space_stripped=True)),
+    "a system prompt or false": ("{% set s = messages[0].content if messages[0].role == 'system' else false %}"
+                                 "{% if s != false and none != s %}[{{ s }}]{% endif %}"
+                                 "{% for m in (messages[1:] if s != false else messages) %}{{ m.content.strip() }}{% endfor %}",
+                                 Form(space_stripped=True)),
     # a trimmed content tested: whether it is empty once stripped, which no content with spaces at its ends tells
     "trimmed, then tested": (LOOP.replace("BODY", "{% if m.content | trim %}{{ m.content }}{% endif %}"),
                              Form(space_stripped=True)),
 }
 NOT_VERBATIM = {
-    "joined text trimmed": LOOP.replace("BODY", "{{ ('<' + m.content) | trim }}"),
     "trimmed through a variable": LOOP.replace("BODY", "{% set c = m.content %}{{ c | upper }}"),
     "a trimmed content stripped again": LOOP.replace("BODY", "{{ (m.content | trim).lstrip('x') }}"),
     "stripped of characters chosen at render time": LOOP.replace("BODY", "{{ m.content.strip(m.role) }}"),
@@ -80,6 +88,9 @@ NOT_VERBATIM = {
     "a search for text chosen at render time": LOOP.replace("BODY", "{% if m.role in m.content %}x{% endif %}"),
     "a search for text a mark holds": LOOP.replace("BODY", "{% if '1' in m.content %}x{% endif %}"),
     "a search in joined text": LOOP.replace("BODY", "{% if '<t>' in ('<' + m.content) %}x{% endif %}"),
+    "a search in joined text, as a method": LOOP.replace("BODY", "{% if ('<' + m.content).startswith('<t') %}x"
+                                                          "{% endif %}"),
+    "compared with a number, joined": LOOP.replace("BODY", "{% if m.content + 'x' < 3 %}x{% endif %}"),
     "list contents behind a type test of a variable": LOOP.replace("BODY", "{% set c = m.content %}{% if c is string %}"
                                                                    "{{ c }}{% else %}{{ c[0] }}{% endif %}"),
     "list contents behind a type test and something else": LOOP.replace(
@@ -152,11 +163,12 @@ def test_the_families_official_templates():
         **dict.fromkeys(["bailing", "chatglm3", "chatml", "deepseek", "deepseekcoder", "granite3", "kimi_k2",
                          "openchat", "phi3", "phi4", "qwen2_5", "qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen2_vl",
                          "qwen3_vl"], Form()),
-        "llama3": Form(trimmed=True), "gemma": Form(trimmed=True), "gemma3": Form(space_stripped=True),
+        "llama3": Form(trimmed=True), "gemma": Form(trimmed=True),
+        **dict.fromkeys(["gemma3", "llama2", "cohere"], Form(space_stripped=True)),
         "qwen3": Form(needles=frozenset({"</think>", "<tool_response>", "</tool_response>"}),
                       stripped=frozenset("\n"))}
-    # Mistral v3 compares whole messages, Llama 2 and Cohere compare the system prompt with false; the multimodal
-    # ones qualify where the branches that read list contents are behind `content is string` (never taken for text)
+    # Mistral v3 compares whole messages and reads a content's attributes; the multimodal ones qualify where the
+    # branches that read list contents are behind `content is string` (never taken for text)
 
 
 def test_every_template_of_ours_qualifies():
@@ -165,7 +177,7 @@ def test_every_template_of_ours_qualifies():
 
 # contents a template that reads them would render otherwise: spaces, newlines, markers, Jinja-looking text, unicode
 CONTENTS = [" padded \n", "<|im_end|>\n<|im_start|>user", "{{ not jinja }} {% raw %}", "ünï 答案 🙂", "x",
-            "<think>\nr\n</think>\n\nanswer", "line\n\n\nline", "\nnewline first", "<tool_response>x"]
+            "<think>\nr\n</think>\n\nanswer", "line\n\n\nline", "\nnewline first", "<tool_response>x", "end. "]
 
 
 def sources():

@@ -299,7 +299,9 @@ class _Reader:
             if of in (CONTENT, TRIMMED):
                 self.reads.add(TRIMMED)
                 return TRIMMED
-            if of != OTHER:  # joined text trimmed at its ends only, or a message
+            if of == TEXT:
+                return self.stripped_text(None)
+            if of != OTHER:  # a message
                 raise _Unfit
             return OTHER
         of = self.kind(node.node, VALUE) if node.node is not None else OTHER
@@ -319,9 +321,11 @@ class _Reader:
             if of == OTHER:
                 self.arguments(node)
                 return OTHER
-            if of not in (CONTENT, TRIMMED) or node.kwargs or node.dyn_args or node.dyn_kwargs or len(node.args) > 1:
+            if of not in TEXTUAL or node.kwargs or node.dyn_args or node.dyn_kwargs or len(node.args) > 1:
                 raise _Unfit
             if func.attr in _SEARCHES:
+                if of == TEXT:
+                    raise _Unfit  # a needle could start in one part and end in the next
                 if not node.args:
                     raise _Unfit
                 for needle in _constants(node.args[0]):
@@ -329,15 +333,14 @@ class _Reader:
                 if self.read_directly(func.node):
                     self.searches.add(id(node))
                 return OTHER
-            if of != CONTENT:
+            if of == TRIMMED:
                 raise _Unfit  # a trimmed content stripped again: its new ends are not the ones checked
             chars = _constants(node.args[0]) if node.args else [None]
             if len(chars) != 1 or not (chars[0] is None or isinstance(chars[0], str)):
                 raise _Unfit
-            if chars[0] is None:
-                self.space_stripped = True
-            else:
-                self.stripped.update(chars[0])
+            if of == TEXT:
+                return self.stripped_text(chars[0])
+            self.strips(chars[0])
             return CONTENT
         if isinstance(func, nodes.Getattr) and func.attr == "get" and self.kind(func.node, VALUE) == MESSAGE:
             if 1 <= len(node.args) <= 2 and not node.kwargs and isinstance(node.args[0], nodes.Const):
@@ -372,10 +375,28 @@ class _Reader:
                     self.needle(needle)
                 if operand.op == "in" and len(node.ops) == 1 and self.read_directly(operand.expr):
                     self.searches.add(id(node))
+            elif operand.op in ("eq", "ne") and _not_text(left_node if right in TEXTUAL else operand.expr) \
+                    and OTHER in (left, right) and {left, right} <= TEXTUAL | {OTHER}:
+                pass  # text against `false`, `none`, a number: equal for no text (Llama 2's system_message != false)
             elif not (searched and left == OTHER and right == MESSAGE) and (left, right) != (OTHER, OTHER):
                 raise _Unfit  # a key looked up in a message, or plain values compared, are all it may be
             left, left_node = right, operand.expr
         return OTHER
+
+    def strips(self, chars: str | None) -> None:
+        """A content's ends stripped of these characters (None: whitespace)."""
+        if chars is None:
+            self.space_stripped = True
+        else:
+            self.stripped.update(chars)
+
+    def stripped_text(self, chars: str | None) -> str:
+        """Joined text stripped at its ends: the strip stops at a content's first or last character, which the
+        condition keeps from being stripped (a mark's are not either), so it takes the same text off both; the
+        contents go in as they are (a trimmed one too, which the condition leaves unchanged)."""
+        self.strips(chars)
+        self.reads.add(CONTENT)
+        return TEXT
 
     def read_directly(self, node: nodes.Node) -> bool:
         """Whether an expression is a message's content itself (`m.content`, `m['content']`, trimmed or not), so a
@@ -406,6 +427,11 @@ def _plain_key(node: nodes.Node) -> bool:
     """A constant key other than the content (no dotted path into it)."""
     return isinstance(node, nodes.Const) and isinstance(node.value, str) and "." not in node.value \
         and node.value != "content"
+
+
+def _not_text(node: nodes.Node) -> bool:
+    """A constant that is not a str (no text is equal to it)."""
+    return isinstance(node, nodes.Const) and not isinstance(node.value, str)
 
 
 def _constants(node: nodes.Node) -> list[object]:
