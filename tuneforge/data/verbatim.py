@@ -10,16 +10,19 @@ each conversation's contents instead of rendering it (the render was about a six
 preprocessing). A template that writes every content through `| trim` (Llama 3's, Gemma's) qualifies too, its
 contents filled in stripped.
 
-Two more reads are allowed, each with a condition on the contents that are filled in (Form.contents; any other
-conversation is rendered): looking for fixed text in a content (`'</think>' in content`, `content.startswith(...)`,
-`endswith`), where no content may hold that text, so the test is false as it is for the marks (and what a positive
-test guards, such as Qwen3's reasoning split, is never run: it is not read); and stripping a content's ends
-(`content.lstrip('\n')`, or `| trim` where other writes keep contents as they are), where no content may begin or
-end with what is stripped, so the strip changes nothing.
+More reads are allowed with a condition on the contents that are filled in (Form.contents; any other conversation
+is rendered): looking for fixed text in a content (`'</think>' in content`, `content.startswith(...)`, `endswith`),
+where no content may hold that text, so the test is false as it is for the marks (and what a positive test guards,
+such as Qwen3's reasoning split, is never run: it is not read); and stripping the ends of a content or of joined
+text (`content.lstrip('\n')`, `(system + content).strip()`, or `| trim` where other writes keep contents as they
+are), where no content may begin or end with what is stripped, so the strip stops where it stops at a mark. Two more
+are the same for every text: a type test of a content (`content is string`: what a multimodal template does with a
+list of parts is never run, so it is not read either), and equality with a constant that is not text
+(`system_message != false`).
 
 The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
-and such templates render every conversation, as before. ChatML's family and Qwen3's qualify; templates that dump
-messages as JSON, compare contents or slice them do not.
+and such templates render every conversation, as before. ChatML's family, Qwen3's, Llama's and Gemma's qualify;
+templates that dump messages as JSON, compare contents or slice them do not.
 """
 
 from __future__ import annotations
