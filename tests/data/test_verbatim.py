@@ -93,6 +93,10 @@ NOT_VERBATIM = {
     "compared with a number, joined": LOOP.replace("BODY", "{% if m.content + 'x' < 3 %}x{% endif %}"),
     "list contents behind a type test of a variable": LOOP.replace("BODY", "{% set c = m.content %}{% if c is string %}"
                                                                    "{{ c }}{% else %}{{ c[0] }}{% endif %}"),
+    "a type test of a message that may be a plain dict": "{% set m = messages[0] if messages[0].role == 'system' "
+                                                         "else {'content': ['x']} %}{% if m.content is string %}"
+                                                         "{{ m.content }}{% else %}{{ messages[0].content | upper }}"
+                                                         "{% endif %}",
     "list contents behind a type test and something else": LOOP.replace(
         "BODY", "{% if m.content is string and x %}{{ m.content }}{% else %}{{ m.content[0] }}{% endif %}"),
     "messages as JSON": "{{ messages | tojson }}",

@@ -117,7 +117,11 @@ class _Reader:
         return Form(trimmed, frozenset(self.needles), frozenset(self.stripped),
                     self.space_stripped or TRIMMED in self.reads and not trimmed)
 
-    def bind(self, target: nodes.Node, kind: str) -> None:
+    def bind(self, target: nodes.Node, kind: str, value: nodes.Node | None = None) -> None:
+        """Record that a name (or a namespace's attribute) is set to a value of this kind; also to a plain value
+        where `value` (the expression, or a loop's list) may give one instead of messages (`m if x else {...}`)."""
+        if kind in (MESSAGE, MESSAGES) and value is not None and not self.surely(value, MESSAGES):
+            self.bind(target, OTHER)
         if isinstance(target, nodes.Name):
             self.bound.setdefault(target.name, set()).add(kind)
         elif isinstance(target, nodes.Tuple) and kind == OTHER:
@@ -153,7 +157,7 @@ class _Reader:
             if node.recursive:
                 raise _Unfit
             item = {MESSAGES: MESSAGE, OTHER: OTHER}.get(self.kind(node.iter, VALUE)) or _unfit()
-            self.bind(node.target, item)
+            self.bind(node.target, item, node.iter)
             if node.test is not None:
                 self.kind(node.test, TEST)
             self.loops.append(item)  # loop.previtem / loop.nextitem in the body
@@ -163,7 +167,7 @@ class _Reader:
                 self.loops.pop()
             self.statements(node.else_, False)
         elif isinstance(node, nodes.Assign):
-            self.bind(node.target, self.kind(node.node, VALUE))
+            self.bind(node.target, self.kind(node.node, VALUE), node.node)
         elif isinstance(node, (nodes.AssignBlock, nodes.FilterBlock)):  # the text written inside is kept or filtered
             if node.filter is not None:
                 self.kind(node.filter, VALUE)
@@ -181,7 +185,7 @@ class _Reader:
             self.statements(node.body, True)
         elif isinstance(node, nodes.With):
             for target, value in zip(node.targets, node.values, strict=True):
-                self.bind(target, self.kind(value, VALUE))
+                self.bind(target, self.kind(value, VALUE), value)
             self.statements(node.body, False)
         elif isinstance(node, nodes.Scope):
             self.statements(node.body, False)
@@ -354,7 +358,7 @@ class _Reader:
         if isinstance(func, nodes.Name) and func.name == "namespace" and not (node.args or node.dyn_args
                                                                             or node.dyn_kwargs):
             for keyword in node.kwargs:  # namespace(text=...): the attributes' first values
-                self.bind(nodes.NSRef("", keyword.key), self.kind(keyword.value, VALUE))
+                self.bind(nodes.NSRef("", keyword.key), self.kind(keyword.value, VALUE), keyword.value)
             return OTHER
         if isinstance(func, nodes.Name):
             if func.name not in self.macros and func.name not in _GLOBAL_CALLS and func.name != "caller":
@@ -407,9 +411,22 @@ class _Reader:
         other values."""
         if isinstance(node, nodes.Filter) and node.name == "trim" and node.node is not None:
             node = node.node
-        key = node.attr if isinstance(node, nodes.Getattr) else node.arg.value \
-            if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) else None
-        return key == "content" and self.kind(node.node, VALUE) == MESSAGE
+        return _key(node) == "content" and self.surely(node.node, MESSAGE)
+
+    def surely(self, node: nodes.Node, kind: str) -> bool:
+        """Whether an expression always gives the conversation's messages (kind MESSAGES) or one of them (MESSAGE),
+        never a plain value such as a dict with a content of its own: the kinds of values lose that (`m if x else
+        {...}` is a MESSAGE), so this follows the expression itself."""
+        if isinstance(node, nodes.Name):
+            return self.bound.get(node.name) == {kind}
+        if isinstance(node, nodes.Getitem) and not isinstance(_key(node), str):  # messages[i], messages[1:]
+            return (kind == MESSAGES) == isinstance(node.arg, nodes.Slice) and self.surely(node.node, MESSAGES)
+        if isinstance(node, nodes.Filter):  # messages | last, messages | selectattr(...)
+            return node.node is not None and _LIST_FILTERS.get(node.name) == kind and self.surely(node.node, MESSAGES)
+        if isinstance(node, (nodes.Getattr, nodes.Getitem)) and not (isinstance(node.node, nodes.Name)
+                                                                      and node.node.name == "loop"):
+            return self.bound.get("." + str(_key(node))) == {kind}  # a namespace's attribute
+        return False  # loop.previtem, conditional and other expressions
 
     def needle(self, needle: object) -> None:
         """Text looked for in a content: a content holding it is rendered, so no mark may hold it."""
@@ -430,6 +447,13 @@ def _plain_key(node: nodes.Node) -> bool:
     """A constant key other than the content (no dotted path into it)."""
     return isinstance(node, nodes.Const) and isinstance(node.value, str) and "." not in node.value \
         and node.value != "content"
+
+
+def _key(node: nodes.Node) -> object:
+    """The key of `x.key` or `x['key']` (None for anything else)."""
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    return node.arg.value if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) else None
 
 
 def _not_text(node: nodes.Node) -> bool:
