@@ -34,6 +34,11 @@ AS_THEY_ARE = {
                                                      "{% endif %}"),
     "a list's first part, in an expression": LOOP.replace("BODY", "{{ m.content if m.content is string and "
                                                           "m.content is defined else m.content[0].text }}"),
+    "a message kept in a variable, its list content never read": "{% set first = messages[0] %}{% if first.content "
+                                                                 "is string %}{{ first.content }}{% else %}"
+                                                                 "{{ first.content[0].text }}{% endif %}"
+                                                                 "{% for m in messages[1:] %}{{ m.content }}"
+                                                                 "{% endfor %}",
     "a list's parts if it is not text": LOOP.replace("BODY", "{% if m.content is not string or m.content is mapping "
                                                      "%}{{ m.content[0] }}{% else %}{{ m.content }}{% endif %}"),
 }

@@ -117,10 +117,15 @@ class _Reader:
         return Form(trimmed, frozenset(self.needles), frozenset(self.stripped),
                     self.space_stripped or TRIMMED in self.reads and not trimmed)
 
-    def bind(self, target: nodes.Node, kind: str, value: nodes.Node | None = None) -> None:
-        """Record that a name (or a namespace's attribute) is set to a value of this kind; also to a plain value
-        where `value` (the expression, or a loop's list) may give one instead of messages (`m if x else {...}`)."""
-        if kind in (MESSAGE, MESSAGES) and value is not None and not self.surely(value, MESSAGES):
+    def kind_of_value(self, node: nodes.Node) -> tuple[str, bool]:
+        """The kind of a value kept in a variable, and whether it is surely of that kind (see surely)."""
+        kind = self.kind(node, VALUE)
+        return kind, kind not in (MESSAGE, MESSAGES) or self.surely(node, kind)
+
+    def bind(self, target: nodes.Node, kind: str, sure: bool = True) -> None:
+        """Record that a name (or a namespace's attribute) is set to a value of this kind; not sure: messages or a
+        plain value (`m if x else {...}`), which surely() reads from the name's kinds."""
+        if not sure:
             self.bind(target, OTHER)
         if isinstance(target, nodes.Name):
             self.bound.setdefault(target.name, set()).add(kind)
@@ -157,7 +162,7 @@ class _Reader:
             if node.recursive:
                 raise _Unfit
             item = {MESSAGES: MESSAGE, OTHER: OTHER}.get(self.kind(node.iter, VALUE)) or _unfit()
-            self.bind(node.target, item, node.iter)
+            self.bind(node.target, item, sure=self.surely(node.iter, MESSAGES))
             if node.test is not None:
                 self.kind(node.test, TEST)
             self.loops.append(item)  # loop.previtem / loop.nextitem in the body
@@ -167,7 +172,7 @@ class _Reader:
                 self.loops.pop()
             self.statements(node.else_, False)
         elif isinstance(node, nodes.Assign):
-            self.bind(node.target, self.kind(node.node, VALUE), node.node)
+            self.bind(node.target, *self.kind_of_value(node.node))
         elif isinstance(node, (nodes.AssignBlock, nodes.FilterBlock)):  # the text written inside is kept or filtered
             if node.filter is not None:
                 self.kind(node.filter, VALUE)
@@ -185,7 +190,7 @@ class _Reader:
             self.statements(node.body, True)
         elif isinstance(node, nodes.With):
             for target, value in zip(node.targets, node.values, strict=True):
-                self.bind(target, self.kind(value, VALUE), value)
+                self.bind(target, *self.kind_of_value(value))
             self.statements(node.body, False)
         elif isinstance(node, nodes.Scope):
             self.statements(node.body, False)
@@ -358,7 +363,7 @@ class _Reader:
         if isinstance(func, nodes.Name) and func.name == "namespace" and not (node.args or node.dyn_args
                                                                             or node.dyn_kwargs):
             for keyword in node.kwargs:  # namespace(text=...): the attributes' first values
-                self.bind(nodes.NSRef("", keyword.key), self.kind(keyword.value, VALUE), keyword.value)
+                self.bind(nodes.NSRef("", keyword.key), *self.kind_of_value(keyword.value))
             return OTHER
         if isinstance(func, nodes.Name):
             if func.name not in self.macros and func.name not in _GLOBAL_CALLS and func.name != "caller":
