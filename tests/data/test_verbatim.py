@@ -70,6 +70,12 @@ GUARDED = {
                              Form(stripped=frozenset("\n"))),
     "trimmed into joined text, then stripped": (LOOP.replace("BODY", "{{ ('[' + m.content | trim).rstrip('.') }}"),
                                                 Form(stripped=frozenset("."), space_stripped=True)),
+    "a tool turn written as JSON": (LOOP.replace("BODY", "{% if m.role == 'tool' %}{{ m.content | tojson }}{% else %}"
+                                                 "{{ m.content }}{% endif %}"), Form(absent_roles=frozenset({"tool"}))),
+    "roles in a list, and something else": (LOOP.replace("BODY", "{% if x and m['role'] in ['tool', 'ipython'] %}"
+                                                         "{{ m.content | upper }}{% elif m.role == 'user' %}"
+                                                         "{{ m.content }}{% else %}{{ m.content | trim }}{% endif %}"),
+                                            Form(space_stripped=True, absent_roles=frozenset({"tool", "ipython"}))),
     "a system prompt or false": ("{% set s = messages[0].content if messages[0].role == 'system' else false %}"
                                  "{% if s != false and none != s %}[{{ s }}]{% endif %}"
                                  "{% for m in (messages[1:] if s != false else messages) %}{{ m.content.strip() }}{% endfor %}",
@@ -90,6 +96,13 @@ NOT_VERBATIM = {
     "a split under a search in a variable that may hold other text": LOOP.replace(
         "BODY", "{% set c = m.content if loop.first else 'a</think>b' %}{% if '</think>' in c %}"
         "{{ c.split('</think>')[0] }}{% endif %}{{ c }}"),
+    "a user's turn read otherwise": LOOP.replace("BODY", "{% if m.role == 'user' %}{{ m.content | upper }}{% else %}"
+                                                 "{{ m.content }}{% endif %}"),
+    "a user's turn after a system prompt read otherwise": LOOP.replace(
+        "BODY", "{% if m.role == 'user' and messages[0].role == 'system' %}{{ m.content | upper }}{% else %}"
+        "{{ m.content }}{% endif %}"),
+    "a role other than one read otherwise": LOOP.replace("BODY", "{% if m.role != 'tool' %}{{ m.content | upper }}"
+                                                         "{% endif %}"),
     "a search for text chosen at render time": LOOP.replace("BODY", "{% if m.role in m.content %}x{% endif %}"),
     "a search for text a mark holds": LOOP.replace("BODY", "{% if '1' in m.content %}x{% endif %}"),
     "a search in joined text": LOOP.replace("BODY", "{% if '<t>' in ('<' + m.content) %}x{% endif %}"),
@@ -149,16 +162,21 @@ def test_templates_that_search_or_strip_contents_qualify_for_the_contents_that_c
     assert content_form(source) == form
 
 
+def chat(*contents, roles=("user", "assistant")):
+    return [{"role": roles[j % len(roles)], "content": c} for j, c in enumerate(contents)]
+
+
 def test_a_form_takes_the_contents_that_its_searches_and_strips_leave_as_they_are():
-    form = Form(needles=frozenset({"</think>"}), stripped=frozenset("\n"), space_stripped=False)
-    assert form.contents(["a", "b c"]) == ["a", "b c"]
-    assert form.contents(["a", "x</think>y"]) is None
-    assert form.contents(["\na", "b"]) is None and form.contents(["a", "b\n"]) is None
-    assert form.contents(["a", ""]) is None
-    assert form.contents([" a", "b "]) == [" a", "b "]  # only newlines are stripped
-    assert Form(space_stripped=True).contents(["a", "b "]) is None
-    assert Form(trimmed=True).contents([" a\n", "b"]) == ["a", "b"]
-    assert Form(trimmed=True).contents([" \n", "b"]) is None  # empty once trimmed
+    form = Form(needles=frozenset({"</think>"}), stripped=frozenset("\n"), absent_roles=frozenset({"tool"}))
+    assert form.contents(chat("a", "b c")) == ["a", "b c"]
+    assert form.contents(chat("a", "x</think>y")) is None
+    assert form.contents(chat("\na", "b")) is None and form.contents(chat("a", "b\n")) is None
+    assert form.contents(chat("a", "")) is None
+    assert form.contents(chat(" a", "b ")) == [" a", "b "]  # only newlines are stripped
+    assert form.contents(chat("a", "b", roles=("user", "tool"))) is None
+    assert Form(space_stripped=True).contents(chat("a", "b ")) is None
+    assert Form(trimmed=True).contents(chat(" a\n", "b")) == ["a", "b"]
+    assert Form(trimmed=True).contents(chat(" \n", "b")) is None  # empty once trimmed
 
 
 @pytest.mark.parametrize("name", NOT_VERBATIM)
@@ -173,11 +191,13 @@ def test_the_families_official_templates():
                          "openchat", "phi3", "phi4", "qwen2_5", "qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen2_vl",
                          "qwen3_vl"], Form()),
         "llama3": Form(trimmed=True), "gemma": Form(trimmed=True),
+        "llama3_1": Form(trimmed=True, absent_roles=frozenset({"tool", "ipython"})),
         **dict.fromkeys(["gemma3", "llama2", "cohere"], Form(space_stripped=True)),
         "qwen3": Form(needles=frozenset({"</think>", "<tool_response>", "</tool_response>"}),
                       stripped=frozenset("\n"))}
-    # Mistral v3 compares whole messages and reads a content's attributes; the multimodal ones qualify where the
-    # branches that read list contents are behind `content is string` (never taken for text)
+    # Mistral v3 compares whole user messages (no chat without one is filled); the multimodal ones qualify where the
+    # branches that read list contents are behind `content is string` (never taken for text); Llama 3.1 writes a
+    # tool turn's content as JSON (conversations with one are rendered)
 
 
 def test_every_template_of_ours_qualifies():
@@ -203,7 +223,8 @@ QUALIFYING = sources()
 def test_a_filled_text_is_the_rendered_text(bare, name):
     chat = template.ChatTemplate(name, QUALIFYING[name])
     form = content_form(QUALIFYING[name])
-    shapes = [["user", "assistant"], ["system", "user", "assistant", "user", "assistant"]]
+    shapes = [["user", "assistant"], ["system", "user", "assistant", "user", "assistant"],
+              ["user", "assistant", "tool", "assistant"]]
     filled = 0
     for roles in shapes:
         layouts = template.Layouts()
@@ -215,8 +236,12 @@ def test_a_filled_text_is_the_rendered_text(bare, name):
                 assert layouts.filled(bare, chat, messages, None) is None
                 continue
             got = layouts.filled(bare, chat, messages, None)
-            if form.contents([m["content"] for m in messages]) is None:
+            if form.contents(messages) is None:
                 assert got is None
+                continue
+            if got is None:  # only where the template does not write each content once (a role it leaves out)
+                marked = template._marked(messages)
+                assert template._pieces(template._render(bare, chat, marked, None, False), marked) is None
                 continue
             text, spans = got
             filled += 1

@@ -373,7 +373,7 @@ class Layouts:
         own = template.jinja(tokenizer)
         form = verbatim.content_form(own) if isinstance(own, str) else None
         key = _shape(messages, tools) if form is not None else None
-        contents = form.contents([m["content"] for m in messages]) if key is not None else None
+        contents = form.contents(messages) if key is not None else None
         if contents is None:
             return None
         layout = self._layout(key, tokenizer, template, messages, tools)

@@ -18,7 +18,8 @@ text (`content.lstrip('\n')`, `(system + content).strip()`, or `| trim` where ot
 are), where no content may begin or end with what is stripped, so the strip stops where it stops at a mark. Two more
 are the same for every text: a type test of a content (`content is string`: what a multimodal template does with a
 list of parts is never run, so it is not read either), and equality with a constant that is not text
-(`system_message != false`).
+(`system_message != false`). A branch run only for turns of some roles (`message.role == "tool"`) that reads a
+content otherwise is left unread, with those roles added to the condition (Llama 3.1 writes tool results as JSON).
 
 The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
 and such templates render every conversation, as before. ChatML's family, Qwen3's, Llama's and Gemma's qualify;
@@ -59,10 +60,15 @@ class Form:
     needles: frozenset[str] = frozenset()  # text the template looks for in a content
     stripped: frozenset[str] = frozenset()  # characters some write strips from a content's ends
     space_stripped: bool = False  # some write strips whitespace from a content's ends (`| trim`, `strip()`)
+    absent_roles: frozenset[str] = frozenset()  # roles whose turns the template writes otherwise (Llama 3.1's tool)
 
-    def contents(self, contents: list[str]) -> list[str] | None:
-        """The texts to fill in for these contents; None where the conversation must be rendered: a content is
-        empty (stripped, for a trimmed template), holds a needle, or begins or ends with what a write strips."""
+    def contents(self, messages: list[dict]) -> list[str] | None:
+        """The texts to fill in for these messages' contents; None where the conversation must be rendered: a
+        content is empty (stripped, for a trimmed template), holds a needle, or begins or ends with what a write
+        strips, or a message has an absent role."""
+        if any(m["role"] in self.absent_roles for m in messages):
+            return None
+        contents = [m["content"] for m in messages]
         for c in contents:
             if not c or any(n in c for n in self.needles):
                 return None
@@ -94,7 +100,8 @@ def content_form(source: str) -> Form | None:
             before = {name: set(kinds) for name, kinds in reader.bound.items()}
             reader.statements(tree.body, capturing=False)
             if reader.bound == before:
-                return reader.form()
+                form = reader.form()
+                return None if form.absent_roles & {"user", "assistant"} else form  # it fills in no chat
     except _Unfit:
         return None
     return None
@@ -111,11 +118,12 @@ class _Reader:
         self.stripped: set[str] = set()
         self.space_stripped = False
         self.searches: set[int] = set()  # the ids of tests for a needle (false for the contents filled in)
+        self.absent_roles: set[str] = set()
 
     def form(self) -> Form:
         trimmed = self.reads == {TRIMMED}  # some written trimmed and some not: trimming must change none
         return Form(trimmed, frozenset(self.needles), frozenset(self.stripped),
-                    self.space_stripped or TRIMMED in self.reads and not trimmed)
+                    self.space_stripped or TRIMMED in self.reads and not trimmed, frozenset(self.absent_roles))
 
     def kind_of_value(self, node: nodes.Node) -> tuple[str, bool]:
         """The kind of a value kept in a variable, and whether it is surely of that kind (see surely)."""
@@ -153,7 +161,10 @@ class _Reader:
         elif isinstance(node, nodes.If):
             self.kind(node.test, TEST)
             truth = self.truth(node.test)  # a branch never run for the contents filled in is not read
-            if truth is not False:
+            roles = self.roles_tested(node.test) if truth is None else None
+            if roles is not None:
+                self.for_roles(node.body, roles)
+            elif truth is not False:
                 self.statements(node.body, False)
             if truth is not True:
                 for part in (*([e] for e in node.elif_), node.else_):
@@ -196,6 +207,37 @@ class _Reader:
             self.statements(node.body, False)
         elif not isinstance(node, (nodes.Break, nodes.Continue)):  # includes, imports, blocks, autoescape
             raise _Unfit
+
+    def for_roles(self, body: list[nodes.Node], roles: frozenset[str]) -> None:
+        """A branch run only for messages of these roles: read, or, where it reads a content otherwise, left unread
+        and the roles added to the condition (conversations with such a turn are rendered)."""
+        saved = ({name: set(kinds) for name, kinds in self.bound.items()}, set(self.reads), set(self.needles),
+                 set(self.stripped), self.space_stripped, set(self.searches))
+        try:
+            self.statements(body, False)
+        except _Unfit:
+            self.bound, self.reads, self.needles, self.stripped, self.space_stripped, self.searches = saved
+            self.absent_roles |= roles
+
+    def roles_tested(self, test: nodes.Node) -> frozenset[str] | None:
+        """Roles such that the test is false where no message has one of them: `m.role == 'tool'` or
+        `m['role'] in ['tool', 'ipython']` of a message, `or` of such tests (all their roles), `and` with one (the
+        fewer of its sides' roles); None for a test that may be true whatever the roles."""
+        if isinstance(test, (nodes.And, nodes.Or)):
+            left, right = self.roles_tested(test.left), self.roles_tested(test.right)
+            if isinstance(test, nodes.Or):
+                return None if left is None or right is None else left | right
+            return min((side for side in (left, right) if side is not None), key=len, default=None)
+        if not (isinstance(test, nodes.Compare) and len(test.ops) == 1 and test.ops[0].op in ("eq", "in")):
+            return None
+        role, op = test.expr, test.ops[0]
+        if not isinstance(role, (nodes.Getattr, nodes.Getitem)) or _key(role) != "role" \
+                or not self.surely(role.node, MESSAGE):
+            return None
+        names = [op.expr] if op.op == "eq" else op.expr.items if isinstance(op.expr, (nodes.List, nodes.Tuple)) else []
+        if not names or not all(isinstance(n, nodes.Const) and isinstance(n.value, str) for n in names):
+            return None
+        return frozenset(n.value for n in names)
 
     def truth(self, test: nodes.Node) -> bool | None:
         """What a test gives for every conversation filled in, None where it may differ: a search for a needle in a
