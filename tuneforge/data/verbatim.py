@@ -324,8 +324,7 @@ class _Reader:
 
     def item(self, node: nodes.Getattr | nodes.Getitem) -> str:
         """`x.key` / `x[key]`: a message's content, a message of a list, or a plain value."""
-        key = node.attr if isinstance(node, nodes.Getattr) else node.arg.value if isinstance(node.arg, nodes.Const) \
-            else node.arg
+        key = node.arg if isinstance(node, nodes.Getitem) and not isinstance(node.arg, nodes.Const) else _key(node)
         if isinstance(node.node, nodes.Name) and node.node.name == "loop":
             if not isinstance(key, str) or not self.loops:
                 raise _Unfit
