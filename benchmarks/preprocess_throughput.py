@@ -174,6 +174,8 @@ def main() -> None:
     args = parser.parse_args()
     if (args.chat_template is None) != (args.peer_template is None):
         parser.error("--chat-template and --peer-template go together")
+    if args.chat_template and not Path(args.chat_template).is_file():
+        parser.error(f"--chat-template {args.chat_template}: no such file (a Jinja chat template)")
     if args.peer:
         peer_venv()  # exits here, before any timing, when the peer is missing
     if args.model_dir is None:

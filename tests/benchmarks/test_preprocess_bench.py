@@ -1,5 +1,5 @@
 """benchmarks/preprocess_throughput.py's --chat-template: the tokenizer folder it times with renders with that
-template, and the two template options go together."""
+template, the two template options go together, and a missing template file is named before anything runs."""
 
 import subprocess
 import sys
@@ -29,3 +29,11 @@ def test_a_chat_template_without_the_peers_template_is_refused():
                            str(QWEN3)], capture_output=True, text=True)
     assert done.returncode == 2
     assert "--chat-template and --peer-template go together" in done.stderr
+
+
+def test_a_missing_chat_template_file_is_named(tmp_path):
+    missing = tmp_path / "nope.jinja"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "preprocess_throughput.py"), "--chat-template",
+                           str(missing), "--peer-template", "qwen3"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert f"--chat-template {missing}: no such file" in done.stderr
