@@ -26,6 +26,7 @@ from tuneforge.model.kernels import (
 )
 from tuneforge.model.lean_mlp import lean_gated_mlps
 from tuneforge.model.lora_addmm import add_lora_by_addmm
+from tuneforge.model.mkl_warmup import settle_vml_dispatch
 from tuneforge.model.multimodal import hear_videos, omni_without_talker, text_writer
 from tuneforge.model.prequantized import check_prequantized
 from tuneforge.model.processor import is_multimodal, load_processor
@@ -302,6 +303,7 @@ def _from_pretrained(path: Path, config, model_args: ModelArgs, *, dtype: torch.
                      device: torch.device) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
+    settle_vml_dispatch()  # before anything runs on several threads: a first call's race (mkl_warmup.py)
     auto = AutoModelForMultimodalLM if is_multimodal(config) else AutoModelForCausalLM
     attn = attention_implementation(model_args.flash_attn)
     # use_kernels: transformers (5.2x, with `kernels` installed) would otherwise fetch hub kernels on a GPU
