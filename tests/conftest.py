@@ -29,6 +29,16 @@ def _os_environ_stays_the_process_environment():
         os.environ = environ  # noqa: B003 (the object itself is what we restore)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vml_settled():
+    """MKL's vector math settled on one thread before any test computes, as tuneforge does before a model loads: tests
+    that build models by hand would otherwise meet its first-call race (model/mkl_warmup.py) in a test comparing
+    two forwards exactly."""
+    from tuneforge.model.mkl_warmup import settle_vml_dispatch
+
+    settle_vml_dispatch()
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     """The built-in SmolLM2-135M-Instruct folder (converted once into tuneforge's cache)."""
