@@ -4,6 +4,7 @@ every template of ours, the families' official templates and the model's own, on
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,38 @@ def test_a_template_whose_prefixes_differ_renders_each_shape_once(bare, monkeypa
     calls.clear()
     encoded(bare, chat, [*rows, row("question", "answer", "next", "<think>r</think>more")], SETTINGS[0])
     assert len(calls) == 3 + 4 + 5
+
+
+def test_a_template_that_writes_todays_date_fills_in_the_date_of_the_day(bare, monkeypatch):
+    """Llama 3.2's own template writes today's date (transformers' strftime_now) into its system header: a shape's
+    marked renders hold the day they were made on, so after midnight they are made again, and a conversation filled
+    in holds the new date, as its render does."""
+    import transformers.utils.chat_template_utils as chat_template_utils
+
+    today = {"now": datetime(2026, 12, 7, 23, 59)}
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return today["now"]
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Clock)  # what the render's strftime_now reads
+    monkeypatch.setattr(template, "datetime", Clock)
+    chat = template.ChatTemplate("llama3_2", (OFFICIAL / "llama3_2.jinja").read_text())
+    layouts = template.Layouts()
+
+    def filled_and_rendered(i):
+        messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+        return layouts.filled(bare, chat, messages, None), template._render(bare, chat, messages, None, False)
+
+    for i in range(2):
+        (text, spans), rendered = filled_and_rendered(i)
+        assert text == rendered and "Today Date: 07 Dec 2026" in text
+    today["now"] = datetime(2026, 12, 8, 0, 0)
+    (text, spans), rendered = filled_and_rendered(2)
+    assert text == rendered and "Today Date: 08 Dec 2026" in text
+    assert spans == template.Layouts().filled(bare, chat, [{"role": "user", "content": "question 2"},
+                                                           {"role": "assistant", "content": "answer 2"}], None)[1]
 
 
 PAIR_ATTR = parse_entry("pairs", {"file_name": "pairs.json", "formatting": "sharegpt", "ranking": True,

@@ -50,6 +50,8 @@ TRIMMED_ALL = {
 }
 # templates that qualify on a condition on the contents filled in, and the Form that says it
 GUARDED = {
+    "today's date": ("{{ strftime_now('%d %b %Y') }}{{ strftime_now('%-d %B %y') }}" + LOOP.replace("BODY",
+                     "{{ m.content }}"), Form(clock=frozenset({"%d %b %Y", "%-d %B %y"}))),
     "some trimmed, some not": ("{{ messages[0].content }}{% for m in messages[1:] %}{{ m.content | trim }}"
                                "{% endfor %}", Form(space_stripped=True)),
     "kept as it is, then trimmed": (LOOP.replace("BODY", "{% set c = m.content %}{{ c | trim }}"),
@@ -140,7 +142,10 @@ NOT_VERBATIM = {
     "in a filter block": "{% filter trim %}{{ messages[0].content }}{% endfilter %}",
     "a default written": LOOP.replace("BODY", "{{ (m.content or 'x') | upper }}"),
     "passed to a call": LOOP.replace("BODY", "{{ raise_exception(m.content) if m.role == 'x' }}"),
-    "today's date": "{{ strftime_now('%d %b %Y') }}" + LOOP.replace("BODY", "{{ m.content }}"),
+    "a time of day": "{{ strftime_now('%d %b %Y %H:%M') }}" + LOOP.replace("BODY", "{{ m.content }}"),
+    "a date in a format chosen at render time": LOOP.replace("BODY", "{{ strftime_now(m.role) }}{{ m.content }}"),
+    "two date formats at once": "{{ strftime_now(('%d', '%b')) }}" + LOOP.replace("BODY", "{{ m.content }}"),
+    "a date with a keyword": "{{ strftime_now(format='%d') }}" + LOOP.replace("BODY", "{{ m.content }}"),
     "the generation tag": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
     "not a template": "{% for m in messages %}{{ m.content }}",
 }
@@ -192,12 +197,13 @@ def test_the_families_official_templates():
                          "qwen3_vl"], Form()),
         "llama3": Form(trimmed=True), "gemma": Form(trimmed=True),
         "llama3_1": Form(trimmed=True, absent_roles=frozenset({"tool", "ipython"})),
+        "llama3_2": Form(trimmed=True, absent_roles=frozenset({"tool", "ipython"}), clock=frozenset({"%d %b %Y"})),
         **dict.fromkeys(["gemma3", "llama2", "cohere"], Form(space_stripped=True)),
         "qwen3": Form(needles=frozenset({"</think>", "<tool_response>", "</tool_response>"}),
                       stripped=frozenset("\n"))}
     # Mistral v3 compares whole user messages (no chat without one is filled); the multimodal ones qualify where the
     # branches that read list contents are behind `content is string` (never taken for text); Llama 3.1 writes a
-    # tool turn's content as JSON (conversations with one are rendered)
+    # tool turn's content as JSON (conversations with one are rendered); Llama 3.2 the same, and today's date
 
 
 def test_every_template_of_ours_qualifies():

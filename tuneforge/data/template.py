@@ -32,6 +32,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +365,7 @@ class Layouts:
         self._seen: dict[tuple, int] = {}
         self._layouts: dict[tuple, _Layout | None] = {}
         self._prefixes: dict[tuple, tuple[str, ...] | None] = {}  # (shape of a prefix, generation prompt) -> pieces
+        self._today: tuple[str, ...] | None = None  # the date the layouts hold, where the template writes it
 
     def filled(self, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
                tools: list | None) -> tuple[str, list[tuple[int, int]]] | None:
@@ -376,12 +378,24 @@ class Layouts:
         contents = form.contents(messages) if key is not None else None
         if contents is None:
             return None
+        if form.clock:
+            self._dated(form.clock)
         layout = self._layout(key, tokenizer, template, messages, tools)
         if layout is None:  # the prefixes filled in too, their spans found as from rendered prefixes
             return self._filled_prefixes(key, tokenizer, template, messages, tools, contents)
         text = layout.fill(contents)
         spans = layout.spans_in(contents, text)
         return None if spans is None else (text, spans)
+
+    def _dated(self, formats: frozenset[str]) -> None:
+        """Start the layouts again where today's date, as the template writes it (transformers' strftime_now), is no
+        longer the one they were rendered with."""
+        today = tuple(datetime.now().strftime(f) for f in sorted(formats))
+        if today != self._today:
+            self._seen.clear()
+            self._layouts.clear()
+            self._prefixes.clear()
+            self._today = today
 
     def _filled_prefixes(self, key: tuple, tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
                          tools: list | None, contents: list[str]) -> tuple[str, list[tuple[int, int]]] | None:

@@ -20,6 +20,9 @@ are the same for every text: a type test of a content (`content is string`: what
 list of parts is never run, so it is not read either), and equality with a constant that is not text
 (`system_message != false`). A branch run only for turns of some roles (`message.role == "tool"`) that reads a
 content otherwise is left unread, with those roles added to the condition (Llama 3.1 writes tool results as JSON).
+Today's date through `strftime_now` (Llama 3.2's system header), a format of date fields only, is text like any
+constant for one day: Form.clock names the formats, and template.Layouts starts its layouts again when the date they
+give changes.
 
 The reading is conservative: a node, filter, call or statement it does not know makes the template not qualify,
 and such templates render every conversation, as before. ChatML's family, Qwen3's, Llama's and Gemma's qualify;
@@ -29,6 +32,7 @@ templates that dump messages as JSON, compare contents or slice them do not.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from jinja2 import Environment, TemplateSyntaxError, nodes
@@ -45,7 +49,9 @@ _OF_TEXT = {"string": True, "defined": True, "sequence": True, "iterable": True,
 _TYPE_TESTS = frozenset(_OF_TEXT)
 _LIST_FILTERS = {"length": OTHER, "count": OTHER, "first": MESSAGE, "last": MESSAGE, "list": MESSAGES,
                  "reverse": MESSAGES, "selectattr": MESSAGES, "rejectattr": MESSAGES}
-_GLOBAL_CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})  # not strftime_now: the day changes it
+_GLOBAL_CALLS = frozenset({"raise_exception", "namespace", "range", "dict"})
+# strftime_now's fields that a day fixes (a format with a time of day would change the text every minute)
+_DATE_FIELDS = re.compile(r"%-?[aAbBdejmuUwWyY%]")
 _DICT_METHODS = frozenset(dir(dict))
 _SEARCHES = frozenset({"startswith", "endswith"})  # and `in`: tests for fixed text in a content
 _STRIPS = frozenset({"strip", "lstrip", "rstrip"})
@@ -61,6 +67,7 @@ class Form:
     stripped: frozenset[str] = frozenset()  # characters some write strips from a content's ends
     space_stripped: bool = False  # some write strips whitespace from a content's ends (`| trim`, `strip()`)
     absent_roles: frozenset[str] = frozenset()  # roles whose turns the template writes otherwise (Llama 3.1's tool)
+    clock: frozenset[str] = frozenset()  # strftime_now's formats: the text holds today's date (Llama 3.2)
 
     def contents(self, messages: list[dict]) -> list[str] | None:
         """The texts to fill in for these messages' contents; None where the conversation must be rendered: a
@@ -117,13 +124,15 @@ class _Reader:
         self.needles: set[str] = set()
         self.stripped: set[str] = set()
         self.space_stripped = False
+        self.clock: set[str] = set()  # strftime_now's formats
         self.searches: set[int] = set()  # the ids of tests for a needle (false for the contents filled in)
         self.absent_roles: set[str] = set()
 
     def form(self) -> Form:
         trimmed = self.reads == {TRIMMED}  # some written trimmed and some not: trimming must change none
         return Form(trimmed, frozenset(self.needles), frozenset(self.stripped),
-                    self.space_stripped or TRIMMED in self.reads and not trimmed, frozenset(self.absent_roles))
+                    self.space_stripped or TRIMMED in self.reads and not trimmed, frozenset(self.absent_roles),
+                    frozenset(self.clock))
 
     def kind_of_value(self, node: nodes.Node) -> tuple[str, bool]:
         """The kind of a value kept in a variable, and whether it is surely of that kind (see surely)."""
@@ -406,9 +415,16 @@ class _Reader:
             for keyword in node.kwargs:  # namespace(text=...): the attributes' first values
                 self.bind(nodes.NSRef("", keyword.key), *self.kind_of_value(keyword.value))
             return OTHER
+        if isinstance(func, nodes.Name) and func.name == "strftime_now" and func.name not in self.macros:
+            formats = _constants(node.args[0]) if len(node.args) == 1 and not (node.kwargs or node.dyn_args
+                                                                               or node.dyn_kwargs) else []
+            if len(formats) != 1 or not isinstance(formats[0], str) or _DATE_FIELDS.sub("", formats[0]).count("%"):
+                raise _Unfit  # a format chosen at render time, or one with a time of day
+            self.clock.add(formats[0])
+            return OTHER
         if isinstance(func, nodes.Name):
             if func.name not in self.macros and func.name not in _GLOBAL_CALLS and func.name != "caller":
-                raise _Unfit  # strftime_now, lipsum, names the template does not define
+                raise _Unfit  # lipsum, names the template does not define
         else:
             self.expect_other(func)
         self.arguments(node)
