@@ -14,7 +14,7 @@ from tuneforge.model.mkl_warmup import DTYPES, FUNCTIONS
 
 
 def test_each_function_is_called_once_per_dtype_on_one_element_once_per_process():
-    # in a fresh process: this one has settled everything already (a model test loaded one)
+    # in a fresh process: this one has settled everything already (tests/conftest.py does it for the session)
     script = textwrap.dedent("""
         import json, threading, torch
         from torch.overrides import TorchFunctionMode
