@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tuneforge.data import arrow_batch
 from tuneforge.data.encode import IGNORE_INDEX, row_features
 from tuneforge.data.multimodal import MEDIA_COLUMN, join_blobs
 
@@ -127,14 +128,15 @@ def assemble(
     import datasets
 
     plan_ds = datasets.Dataset.from_dict({"pieces": [[list(p) for p in row] for row in plan]})
+    features = row_features(packed, media=MEDIA_COLUMN in source.column_names)
     return plan_ds.map(
-        assemble_batch,
+        arrow_batch.mapped,
         batched=True,
         batch_size=batch_size,
         num_proc=num_proc,
-        fn_kwargs={"source": source, "packed": packed},
+        fn_kwargs={"encoder": assemble_batch, "features": features, "source": source, "packed": packed},
         remove_columns=["pieces"],
-        features=row_features(packed, media=MEDIA_COLUMN in source.column_names),
+        features=features,
         new_fingerprint=fingerprint,
         load_from_cache_file=False,
         desc="packing" if packed else "chunking",

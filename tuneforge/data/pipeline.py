@@ -23,7 +23,18 @@ from typing import Any
 
 from tuneforge.atomic import partial_folder
 from tuneforge.config.rl import resolved_rl
-from tuneforge.data import cache, encode, formats, media, multimodal, packing, registry, streaming, template
+from tuneforge.data import (
+    arrow_batch,
+    cache,
+    encode,
+    formats,
+    media,
+    multimodal,
+    packing,
+    registry,
+    streaming,
+    template,
+)
 from tuneforge.data.encoders import get_encoder
 from tuneforge.data.registry import DatasetAttr
 from tuneforge.errors import DataError
@@ -224,20 +235,20 @@ def _encode_dataset(plan: _Plan, attr: DatasetAttr, stats: dict[str, Any]) -> An
             features[f"{prefix}{multimodal.MEDIA_COLUMN}"] = multimodal.media_feature()
     processes = plan.processes(len(raw), f"encoding {attr.name}")
     encoded = raw.map(
-        plan.encoder.function,
+        arrow_batch.mapped,
         batched=True,
         with_indices=True,
         batch_size=d.preprocessing_batch_size,
         num_proc=processes,
         remove_columns=raw.column_names,
-        fn_kwargs=fn_kwargs,
+        fn_kwargs={**fn_kwargs, "encoder": plan.encoder.function, "features": features},
         features=features,
         new_fingerprint=plan.fingerprint(attr.name, "encode"),
         cache_file_name=plan.scratch_file(attr.name, "encode"),
         load_from_cache_file=False,
         desc=f"encoding {attr.name}",
     )
-    counts = Counter(encoded["_status"])
+    counts = Counter(encoded.data.column("_status").to_pylist())
     kept = encoded.filter(
         lambda status: [s in encode.KEPT for s in status],
         input_columns="_status",
