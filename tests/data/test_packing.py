@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datasets
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from tuneforge.batch import Layout
 from tuneforge.data import build
 from tuneforge.data.collate import Collator
 from tuneforge.data.encode import IGNORE_INDEX
-from tuneforge.data.packing import first_fit_decreasing, sequential_pieces
+from tuneforge.data.packing import assemble, assemble_batch, first_fit_decreasing, sequential_pieces
 
 
 def test_first_fit_decreasing_by_hand():
@@ -43,6 +44,44 @@ def test_sequential_pieces_by_hand():
         [(1, 5, 6)],
         [(2, 0, 2)],
     ]
+
+
+
+SAMPLES = {"input_ids": [[10, 11, 12], [20, 21], [30, 31, 32, 33]], "labels": [[-100, 11, 12], [-100, 21], [-100, -100, 32, 33]]}
+PIECES = [[(2, 0, 4), (0, 0, 3)], [(1, 0, 2)]]
+
+
+def test_packed_rows_by_hand():
+    rows = assemble_batch({"pieces": PIECES}, source=datasets.Dataset.from_dict(SAMPLES), packed=True)
+    assert rows == {
+        "input_ids": [[30, 31, 32, 33, 10, 11, 12], [20, 21]],
+        "labels": [[-100, -100, 32, 33, -100, 11, 12], [-100, 21]],  # each piece's first token: not predicted
+        "attention_mask": [[1] * 7, [1, 1]],
+        "position_ids": [[0, 1, 2, 3, 0, 1, 2], [0, 1]],
+    }
+
+
+def test_document_chunks_by_hand_labels_are_the_ids():
+    docs = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]})
+    plan = sequential_pieces([4, 6, 2], 5, across_documents=False)
+    rows = assemble_batch({"pieces": plan}, source=docs, packed=False)
+    assert rows["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8, 9], [10], [11, 12]]
+    assert rows["labels"] == rows["input_ids"] and "position_ids" not in rows
+    packed = assemble_batch({"pieces": sequential_pieces([4, 6, 2], 5, across_documents=True)}, source=docs,
+                            packed=True)
+    assert packed["input_ids"] == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    # a document continued from the row before starts its row with a piece: that token is not predicted either
+    assert packed["labels"] == [[-100, 2, 3, 4, -100], [-100, 7, 8, 9, 10], [-100, 12]]
+    assert packed["position_ids"] == [[0, 1, 2, 3, 0], [0, 1, 2, 3, 4], [0, 1]]
+
+
+def test_assembled_dataset_takes_the_row_types_from_a_shuffled_source(tmp_path):
+    source = datasets.Dataset.from_dict(SAMPLES).shuffle(seed=0)  # rows reached through an indices mapping
+    order = [source[i]["input_ids"] for i in range(3)]
+    rows = assemble(source, [[(0, 0, len(order[0]))], [(2, 1, len(order[2])), (1, 0, 1)]], packed=True, num_proc=None,
+                    batch_size=1, fingerprint="test-assemble")
+    assert rows.features["input_ids"].feature.dtype == "int32" and rows.features["attention_mask"].feature.dtype == "int8"
+    assert rows["input_ids"] == [order[0], order[2][1:] + order[1][:1]]
 
 
 CHATS = [

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tuneforge.data import arrow_batch
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from tuneforge.data.encode import IGNORE_INDEX, row_features
 from tuneforge.data.multimodal import MEDIA_COLUMN, join_blobs
+from tuneforge.errors import DataError
 
 Piece = tuple[int, int, int]  # (sample index, start, end) in the source dataset
 
@@ -85,34 +89,55 @@ def bins_to_pieces(bins: list[list[int]], lengths: list[int]) -> list[list[Piece
 
 
 def assemble_batch(batch: dict[str, list], *, source: Any, packed: bool) -> dict[str, list]:
-    """Rows from their pieces. Without `labels` in the source (pt), labels are the input ids."""
+    """Rows from their pieces, as lists. Without `labels` in the source (pt), labels are the input ids."""
+    return assemble_table(batch, source=source, packed=packed).to_pydict()
+
+
+def assemble_table(batch: dict[str, list], *, source: Any, packed: bool) -> pa.Table:
+    """Rows from their pieces, as a table: every piece's tokens gathered from the source's columns in one numpy
+    indexing (a row by row copy in Python took ~30 % of a pretraining corpus's data step)."""
     plans = batch["pieces"]
-    wanted = sorted({p[0] for plan in plans for p in plan})
-    fetched = source.select(wanted)[:] if wanted else {"input_ids": []}
-    where = {index: k for k, index in enumerate(wanted)}
-    has_labels = "labels" in fetched
-    out: dict[str, list] = {"input_ids": [], "labels": [], "attention_mask": []}
+    wanted = sorted({doc for plan in plans for doc, _, _ in plan})
+    where = {doc: k for k, doc in enumerate(wanted)}
+    fetched = source.select(wanted).with_format("arrow")[:]
+    pieces = np.array([(where[doc], start, end) for plan in plans for doc, start, end in plan],
+                      dtype=np.int64).reshape(-1, 3)
+    lengths = pieces[:, 2] - pieces[:, 1]
+    piece_starts = np.zeros(len(pieces) + 1, dtype=np.int64)  # where each piece begins in the batch's tokens
+    np.cumsum(lengths, out=piece_starts[1:])
+    if piece_starts[-1] > np.iinfo(np.int32).max:  # a list column's offsets are int32
+        raise DataError(f"a batch of {len(plans)} rows holds {piece_starts[-1]:,} tokens, more than a column of "
+                        f"rows can; lower preprocessing_batch_size")
+    ids, source_starts = _flat(fetched["input_ids"])
+    within = np.arange(piece_starts[-1]) - np.repeat(piece_starts[:-1], lengths)  # each token's place in its piece
+    gather = within + np.repeat(source_starts[pieces[:, 0]] + pieces[:, 1], lengths)
+    input_ids = ids[gather]
+    labels = _flat(fetched["labels"])[0][gather] if "labels" in fetched.column_names else input_ids.copy()
     if packed:
-        out["position_ids"] = []
-    media = fetched.get(MEDIA_COLUMN)  # a vision-language model's samples: their tensors join with them
-    if media is not None:
-        out[MEDIA_COLUMN] = [join_blobs([media[where[doc]] for doc, _, _ in plan]) for plan in plans]
-    for plan in plans:
-        ids, labels, positions = [], [], []
-        for doc, start, end in plan:
-            piece = fetched["input_ids"][where[doc]][start:end]
-            piece_labels = list(fetched["labels"][where[doc]][start:end] if has_labels else piece)
-            if packed:
-                piece_labels[0] = IGNORE_INDEX
-            ids += piece
-            labels += piece_labels
-            positions += range(len(piece))
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["attention_mask"].append([1] * len(ids))
-        if packed:
-            out["position_ids"].append(positions)
-    return out
+        labels[piece_starts[:-1][lengths > 0]] = IGNORE_INDEX
+    rows = np.fromiter(map(len, plans), dtype=np.int64, count=len(plans))
+    row_starts = piece_starts[np.concatenate(([0], np.cumsum(rows)))]
+    offsets = pa.array(row_starts.astype(np.int32, copy=False))
+    columns = {
+        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(input_ids.astype(np.int32, copy=False))),
+        "labels": pa.ListArray.from_arrays(offsets, pa.array(labels.astype(np.int32, copy=False))),
+        "attention_mask": pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(input_ids), dtype=np.int8))),
+    }
+    if packed:
+        columns["position_ids"] = pa.ListArray.from_arrays(offsets, pa.array(within.astype(np.int32, copy=False)))
+    if MEDIA_COLUMN in fetched.column_names:  # a vision-language model's samples: their tensors join with them
+        media = fetched[MEDIA_COLUMN].to_pylist()
+        columns[MEDIA_COLUMN] = pa.array([join_blobs([media[where[doc]] for doc, _, _ in plan]) for plan in plans],
+                                         pa.binary())
+    return pa.table(columns)
+
+
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's values back to back, and where each row begins among them."""
+    lists = column.combine_chunks()
+    starts = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(pc.list_value_length(lists).to_numpy(zero_copy_only=False), out=starts[1:])
+    return lists.flatten().to_numpy(zero_copy_only=False), starts
 
 
 def assemble(
@@ -123,21 +148,24 @@ def assemble(
     num_proc: int | None,
     batch_size: int,
     fingerprint: str,
+    cache_file: str | None = None,
 ) -> Any:
-    """A Dataset of rows built from `plan` over the samples / documents of `source`."""
+    """A Dataset of rows built from `plan` over the samples / documents of `source`, written to cache_file (then
+    memory-mapped) where given, else held in memory."""
     import datasets
 
     plan_ds = datasets.Dataset.from_dict({"pieces": [[list(p) for p in row] for row in plan]})
     features = row_features(packed, media=MEDIA_COLUMN in source.column_names)
     return plan_ds.map(
-        arrow_batch.mapped,
+        assemble_table,
         batched=True,
         batch_size=batch_size,
         num_proc=num_proc,
-        fn_kwargs={"encoder": assemble_batch, "features": features, "source": source, "packed": packed},
+        fn_kwargs={"source": source, "packed": packed},
         remove_columns=["pieces"],
         features=features,
         new_fingerprint=fingerprint,
+        cache_file_name=cache_file,
         load_from_cache_file=False,
         desc="packing" if packed else "chunking",
     )

@@ -340,6 +340,7 @@ def _rows(plan: _Plan, samples: Any, split: str) -> Any:
         "num_proc": processes,
         "batch_size": d.preprocessing_batch_size,
         "fingerprint": plan.fingerprint(split, "rows"),
+        "cache_file": plan.scratch_file(split, "rows"),  # a corpus's rows on disk, not in memory
     }
     if plan.encoder.documents:
         return packing.chunk_documents(samples, d.cutoff_len, packed=plan.packing, **kw)
