@@ -100,6 +100,17 @@ def test_english_chat_texts_are_taken_chinese_ones_left(tokenizer):
     assert ids[2] is None  # long runs of letters that seldom recur: the tokenizer's own call is faster there
 
 
+def test_an_english_text_with_a_few_chinese_characters_is_taken(tokenizer):
+    """A name or a stray symbol in a long English page keeps it here (their characters probed as the others);
+    a text where they are more than UNSPACED_SHARE of the characters goes to the tokenizer."""
+    english = "The shop on the corner sold tea and books for forty years. " * 4
+    few, many = english + "Its sign read 小书店 and \ufffd.", "小书店卖茶和书。" * 3 + english[:60]
+    words = word_tokens.for_tokenizer(tokenizer)
+    ids, offsets = words.encode([few, many])
+    assert ids[1] is None
+    assert (ids[0], list(offsets[0])) == tuple(x[0] for x in _tokenizer_call(tokenizer, [few]))
+
+
 def test_a_character_the_regex_engines_disagree_on_goes_to_the_tokenizer(tokenizer):
     """Here the split reads only ASCII letters as letters, so "é" splits where the tokenizer's does not."""
     backend = tokenizer.backend_tokenizer

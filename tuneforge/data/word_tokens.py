@@ -47,8 +47,10 @@ PROBE_CONTEXTS = ("{}", "a{}", "{}a", "A{}b", "1{}", "{}1", "12{}3", " {}", "{} 
 
 # Characters beyond the scripts that put spaces between words (Latin, Greek, Cyrillic, Armenian, Hebrew, Arabic),
 # punctuation, symbols and emoji: Chinese or Thai text splits into long runs of letters that seldom recur, which the
-# tokenizer's own call handles faster than a word at a time here.
+# tokenizer's own call handles faster than a word at a time here. A text with a few of them (a name, a symbol, a
+# replacement character in an English web page) stays here: at most UNSPACED_SHARE of its characters.
 UNSPACED = regex.compile(r"[^\x00-\u06ff\u1e00-\u1fff\u2000-\u2bff\ufe00-\ufe0f\U0001f000-\U0001faff]")
+UNSPACED_SHARE = 0.02
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ class WordTokens:
         """Ids and offsets (None without with_offsets) of each text; None for a text this module leaves to the
         tokenizer."""
         # the texts in scripts with spaces between words, searched once; their new characters are probed first
-        spaced = [text.isascii() or not UNSPACED.search(text) for text in texts]
+        spaced = [text.isascii() or len(UNSPACED.findall(text)) <= UNSPACED_SHARE * len(text) for text in texts]
         met = set().union(*(text for text, ok in zip(texts, spaced, strict=True) if ok and not text.isascii()))
         self._check(set(filterfalse(self._checked.__contains__, met)))
         all_ids: list = [None] * len(texts)
