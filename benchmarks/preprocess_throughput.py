@@ -1,11 +1,13 @@
-"""Preprocessing (tokenizing for sft) throughput, beside LlamaFactory 0.9.5 with the same number of workers.
+"""Preprocessing (tokenizing for sft and pt) throughput, beside LlamaFactory 0.9.5 with the same number of workers.
 
-    python benchmarks/preprocess_throughput.py [--data alpaca|sharegpt|both] [--workers N] [--repeat R] [--peer]
+    python benchmarks/preprocess_throughput.py [--data alpaca|sharegpt|both|pt] [--workers N] [--repeat R] [--peer]
                                                [--cutoff-len L] [--model-dir DIR] [--dataset-dir DIR]
                                                [--chat-template FILE --peer-template NAME]
 
 alpaca: LlamaFactory's alpaca_en_demo (999 rows). sharegpt: 10,000 sharegpt rows built from those rows (1 to 4
 turns each, questions drawn with a fixed seed, a system prompt on every third row), written to a temporary folder.
+pt: stage pt on a 9,900-document corpus, LlamaFactory's c4_demo and wiki_demo 30 times over (11.9 M tokens),
+documents tokenized with EOS after each and cut into cutoff_len rows across documents by both.
 
 Each measurement runs in a fresh child process with its own empty datasets cache (both read the JSON file) and
 times the data step alone, after the tokenizer is loaded: tuneforge's `data.build` (overwrite_cache: reading,
@@ -74,10 +76,12 @@ model_args, data_args, training_args, _, _ = get_train_args(json.loads(sys.argv[
 module = load_tokenizer(model_args)
 template = get_template_and_fix_tokenizer(module["tokenizer"], data_args)
 cpu, start = time.process_time(), time.perf_counter()
-data = get_dataset(template, model_args, data_args, training_args, stage="sft", **module)["train_dataset"]
+stage = json.loads(sys.argv[1])["stage"]
+data = get_dataset(template, model_args, data_args, training_args, stage=stage, **module)["train_dataset"]
 seconds = time.perf_counter() - start
 children = resource.getrusage(resource.RUSAGE_CHILDREN)
-ids, labels = data["input_ids"], data["labels"]
+ids = data["input_ids"]
+labels = data["labels"] if "labels" in data.column_names else ids  # pt: the collator predicts every next token
 np.save(sys.argv[2], np.array([len(ids)] + [len(x) for x in ids] + [t for x in ids for t in x], dtype=np.int64))
 print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu + children.ru_utime + children.ru_stime,
                   "rows": len(ids), "tokens": sum(map(len, ids)),
@@ -106,6 +110,17 @@ def write_sharegpt(dataset_dir: Path, target: Path) -> None:
     (target / "sharegpt_10k.json").write_text(json.dumps(sharegpt_rows(alpaca)), encoding="utf-8")
     info = {"sharegpt_10k": {"file_name": "sharegpt_10k.json", "formatting": "sharegpt",
                              "columns": {"messages": "conversations", "system": "system"}}}
+    (target / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
+
+
+def write_pt_corpus(dataset_dir: Path, target: Path, times: int = 30) -> None:
+    """c4_demo's and wiki_demo's documents, `times` over, as one pt dataset."""
+    lines = (dataset_dir / "c4_demo.jsonl").read_text(encoding="utf-8").splitlines()
+    docs = [json.loads(line)["text"] for line in lines if line.strip()]
+    docs += [line for line in (dataset_dir / "wiki_demo.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
+    (target / "pt_corpus.json").write_text(json.dumps([{"text": d} for _ in range(times) for d in docs]),
+                                           encoding="utf-8")
+    info = {"pt_corpus": {"file_name": "pt_corpus.json", "columns": {"prompt": "text"}}}
     (target / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
 
 
@@ -147,6 +162,33 @@ def same_rows(a: Path, b: Path) -> tuple[int, int]:
     return sum(len(p) == len(q) and bool((p == q).all()) for p, q in zip(x, y, strict=False)), max(len(x), len(y))
 
 
+def peer_stream_in_ours(ours: Path, peer: Path, window: int = 32) -> int:
+    """pt: how many of the peer's tokens, from its first, come in the same order in ours, stretches that only ours
+    holds skipped. LlamaFactory cuts each map batch's documents into rows on their own and drops the batch's last
+    partial row; tuneforge carries it into the next batch, so their rows part after the first batch while their
+    tokens agree."""
+    import numpy as np
+
+    def stream(path: Path) -> np.ndarray:
+        flat = np.load(path)  # the row count, each row's length, then the ids
+        return flat[1 + int(flat[0]):]
+
+    a, b = stream(ours), stream(peer)
+    i = j = 0
+    while i < len(a) and j < len(b):
+        n = min(len(a) - i, len(b) - j)
+        differ = np.flatnonzero(a[i:i + n] != b[j:j + n])
+        if not len(differ):
+            return j + n
+        i, j = i + int(differ[0]), j + int(differ[0])
+        ahead = b[j:j + window]
+        found = next((k for k in range(i, min(len(a), i + 4096)) if np.array_equal(a[k:k + len(ahead)], ahead)), None)
+        if found is None:
+            break
+        i = found
+    return j
+
+
 def with_chat_template(model_dir: str, template: Path, target: Path) -> str:
     """A folder with the model's tokenizer and config, the tokenizer's chat template replaced by this one."""
     import shutil
@@ -162,7 +204,8 @@ def with_chat_template(model_dir: str, template: Path, target: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", choices=["alpaca", "sharegpt", "both"], default="both")
+    parser.add_argument("--data", choices=["alpaca", "sharegpt", "both", "pt"], default="both",
+                        help="both: alpaca and sharegpt (sft); pt: the pretraining corpus")
     parser.add_argument("--workers", type=int, default=1, help="preprocessing_num_workers, for both")
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement; the fastest counts")
     parser.add_argument("--cutoff-len", type=int, default=1024)
@@ -188,13 +231,17 @@ def main() -> None:
             args.model_dir = with_chat_template(args.model_dir, Path(args.chat_template), tmp_dir / "tokenizer")
         sets = []
         if args.data in ("alpaca", "both"):
-            sets.append(("alpaca_en_demo", "alpaca_en_demo", Path(args.dataset_dir)))
+            sets.append(("alpaca_en_demo", "alpaca_en_demo", Path(args.dataset_dir), "sft"))
         if args.data in ("sharegpt", "both"):
             (tmp_dir / "sharegpt").mkdir(exist_ok=True)
             write_sharegpt(Path(args.dataset_dir), tmp_dir / "sharegpt")
-            sets.append(("sharegpt_10k", "sharegpt_10k", tmp_dir / "sharegpt"))
-        for label, dataset, folder in sets:
-            common = {"model_name_or_path": args.model_dir, "stage": "sft", "dataset_dir": str(folder),
+            sets.append(("sharegpt_10k", "sharegpt_10k", tmp_dir / "sharegpt", "sft"))
+        if args.data == "pt":
+            (tmp_dir / "pt").mkdir(exist_ok=True)
+            write_pt_corpus(Path(args.dataset_dir), tmp_dir / "pt")
+            sets.append(("pt_corpus", "pt_corpus", tmp_dir / "pt", "pt"))
+        for label, dataset, folder, stage in sets:
+            common = {"model_name_or_path": args.model_dir, "stage": stage, "dataset_dir": str(folder),
                       "dataset": dataset, "cutoff_len": args.cutoff_len, "overwrite_cache": True,
                       "preprocessing_num_workers": args.workers}
             ours_ids = tmp_dir / f"{label}-tuneforge.npy"
@@ -214,9 +261,14 @@ def main() -> None:
                         best_of(args.repeat, str(PEER_VENV / "bin" / "python"), PEER, peer_config, peer_env, peer_ids))
             print(json.dumps(peer), flush=True)
             equal, rows = same_rows(ours_ids, peer_ids)
-            print(json.dumps({"data": label, "workers": args.workers, "speedup": round(peer["seconds"] / ours["seconds"], 2),
-                              "cpu_ratio": round(peer["cpu_seconds"] / ours["cpu_seconds"], 2),
-                              "same_token_ids_rows": f"{equal}/{rows}"}), flush=True)
+            ratio = {"data": label, "workers": args.workers, "speedup": round(peer["seconds"] / ours["seconds"], 2),
+                     "cpu_ratio": round(peer["cpu_seconds"] / ours["cpu_seconds"], 2),
+                     "same_token_ids_rows": f"{equal}/{rows}"}
+            if stage == "pt":
+                found = peer_stream_in_ours(ours_ids, peer_ids)
+                ratio["peer_tokens_in_order_in_ours"] = f"{found}/{peer['tokens']}"
+                ratio["ours_tokens_the_peer_dropped"] = ours["tokens"] - found
+            print(json.dumps(ratio), flush=True)
 
 
 if __name__ == "__main__":
