@@ -51,3 +51,10 @@ def test_a_value_out_of_its_columns_range_raises_instead_of_wrapping():
 def test_a_missing_row_stays_null():
     table = arrow_batch.to_table({"input_ids": [[1], None]}, datasets.Features({"input_ids": row_features(False)["input_ids"]}))
     assert table.column("input_ids").to_pylist() == [[1], None]
+
+
+def test_rows_given_as_numpy_arrays_convert_too():
+    import numpy as np
+
+    batch = {**BATCH, "input_ids": [np.array(row, dtype=np.int64) for row in BATCH["input_ids"]]}
+    assert arrow_batch.to_table(batch, supervised_features()).to_pydict() == BATCH

@@ -31,7 +31,7 @@ def mapped(batch: dict[str, list], *args: Any, encoder: Callable[..., dict[str, 
 
 
 def _array(values: list, pa_type: pa.DataType) -> pa.Array:
-    if pa.types.is_list(pa_type) and pa.types.is_integer(pa_type.value_type) and None not in values:
+    if pa.types.is_list(pa_type) and pa.types.is_integer(pa_type.value_type) and all(v is not None for v in values):
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
