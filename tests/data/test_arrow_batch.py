@@ -1,6 +1,7 @@
 """An encoded batch handed to datasets as an Arrow table: the same rows and column types as its Python lists."""
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -54,7 +55,5 @@ def test_a_missing_row_stays_null():
 
 
 def test_rows_given_as_numpy_arrays_convert_too():
-    import numpy as np
-
     batch = {**BATCH, "input_ids": [np.array(row, dtype=np.int64) for row in BATCH["input_ids"]]}
     assert arrow_batch.to_table(batch, supervised_features()).to_pydict() == BATCH
