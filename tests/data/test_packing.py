@@ -75,13 +75,15 @@ def test_document_chunks_by_hand_labels_are_the_ids():
     assert packed["position_ids"] == [[0, 1, 2, 3, 0], [0, 1, 2, 3, 4], [0, 1]]
 
 
-def test_assembled_dataset_takes_the_row_types_from_a_shuffled_source(tmp_path):
+def test_assembled_rows_from_a_shuffled_source_are_written_to_their_file(tmp_path):
     source = datasets.Dataset.from_dict(SAMPLES).shuffle(seed=0)  # rows reached through an indices mapping
     order = [source[i]["input_ids"] for i in range(3)]
+    target = tmp_path / "rows.arrow"
     rows = assemble(source, [[(0, 0, len(order[0]))], [(2, 1, len(order[2])), (1, 0, 1)]], packed=True, num_proc=None,
-                    batch_size=1, fingerprint="test-assemble")
+                    batch_size=1, fingerprint="test-assemble", cache_file=str(target))
     assert rows.features["input_ids"].feature.dtype == "int32" and rows.features["attention_mask"].feature.dtype == "int8"
     assert rows["input_ids"] == [order[0], order[2][1:] + order[1][:1]]
+    assert [f["filename"] for f in rows.cache_files] == [str(target)]  # memory-mapped, not held in memory
 
 
 CHATS = [
