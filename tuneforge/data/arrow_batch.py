@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-_MAX_OFFSET = np.iinfo(np.int32).max  # a list column's offsets are int32
+MAX_OFFSET = np.iinfo(np.int32).max  # a list column's offsets are int32
 
 
 def to_table(columns: dict[str, list], features: Any) -> pa.Table:
@@ -35,8 +35,13 @@ def _array(values: list, pa_type: pa.DataType) -> pa.Array:
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        if offsets[-1] <= _MAX_OFFSET:
+        if offsets[-1] <= MAX_OFFSET:
             flat = np.fromiter(chain.from_iterable(values), dtype=pa_type.value_type.to_pandas_dtype(),
                                count=int(offsets[-1]))
-            return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
+            return list_array(offsets, flat)
     return pa.array(values, type=pa_type)
+
+
+def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    """Rows of `values` (row i: values[offsets[i]:offsets[i + 1]]) as a list column; offsets at most MAX_OFFSET."""
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32, copy=False)), pa.array(values))

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tuneforge.data import arrow_batch
 from tuneforge.data.encode import IGNORE_INDEX, row_features
 from tuneforge.data.multimodal import MEDIA_COLUMN, join_blobs
 from tuneforge.errors import DataError
@@ -105,7 +106,7 @@ def assemble_table(batch: dict[str, list], *, source: Any, packed: bool) -> pa.T
     lengths = pieces[:, 2] - pieces[:, 1]
     piece_starts = np.zeros(len(pieces) + 1, dtype=np.int64)  # where each piece begins in the batch's tokens
     np.cumsum(lengths, out=piece_starts[1:])
-    if piece_starts[-1] > np.iinfo(np.int32).max:  # a list column's offsets are int32
+    if piece_starts[-1] > arrow_batch.MAX_OFFSET:
         raise DataError(f"a batch of {len(plans)} rows holds {piece_starts[-1]:,} tokens, more than a column of "
                         f"rows can; lower preprocessing_batch_size")
     ids, source_starts = _flat(fetched["input_ids"])
@@ -117,14 +118,13 @@ def assemble_table(batch: dict[str, list], *, source: Any, packed: bool) -> pa.T
         labels[piece_starts[:-1][lengths > 0]] = IGNORE_INDEX
     rows = np.fromiter(map(len, plans), dtype=np.int64, count=len(plans))
     row_starts = piece_starts[np.concatenate(([0], np.cumsum(rows)))]
-    offsets = pa.array(row_starts.astype(np.int32, copy=False))
-    columns = {
-        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(input_ids.astype(np.int32, copy=False))),
-        "labels": pa.ListArray.from_arrays(offsets, pa.array(labels.astype(np.int32, copy=False))),
-        "attention_mask": pa.ListArray.from_arrays(offsets, pa.array(np.ones(len(input_ids), dtype=np.int8))),
+    columns = {  # the map casts them to the row features' types
+        "input_ids": arrow_batch.list_array(row_starts, input_ids),
+        "labels": arrow_batch.list_array(row_starts, labels),
+        "attention_mask": arrow_batch.list_array(row_starts, np.ones(len(input_ids), dtype=np.int8)),
     }
     if packed:
-        columns["position_ids"] = pa.ListArray.from_arrays(offsets, pa.array(within.astype(np.int32, copy=False)))
+        columns["position_ids"] = arrow_batch.list_array(row_starts, within)
     if MEDIA_COLUMN in fetched.column_names:  # a vision-language model's samples: their tensors join with them
         media = fetched[MEDIA_COLUMN].to_pylist()
         columns[MEDIA_COLUMN] = pa.array([join_blobs([media[where[doc]] for doc, _, _ in plan]) for plan in plans],
