@@ -115,9 +115,9 @@ class _InFp32(torch.autograd.Function):
 
     On a CPU the kernel's half-precision variant rounds the probabilities and their gradients to half precision
     before its products and runs those products a small block at a time; in fp32 it is both more precise (the
-    gradients of k and v 2.5-4x closer to an fp64 reference) and faster: 1.6x-3x forward and backward on an Intel
-    Xeon with avx512_bf16, 0.8x-1.8x by length on an AMD EPYC (docs/performance.md). It keeps what sdpa keeps: the
-    inputs and the output in their own dtype, and each row's logsumexp; backward casts them up again.
+    gradients of k and v 2.5-4x closer to an fp64 reference) and faster: 1.6x-3x forward and backward from 64 tokens
+    up on an Intel Xeon with avx512_bf16, 0.8x-1.8x by length on an AMD EPYC (docs/performance.md). It keeps what
+    sdpa keeps: the inputs and the output in their own dtype, and each row's logsumexp; backward casts them up again.
     """
 
     @staticmethod
